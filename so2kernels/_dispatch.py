@@ -1,0 +1,56 @@
+"""Where an op runs: Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``) or its eager reference.
+
+One place decides, so every op answers the same way. ``TRITON_INTERPRET`` is read when
+``@triton.jit`` runs, so it must be set before ``so2kernels`` is imported (tests/conftest.py does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+if INTERPRET:
+    # Under the interpreter wrap_triton() returns the raw interpreted kernel, so AOT tracing
+    # must treat our triton_ops as opaque (see the triton-on-cpu notes in the README).
+    import torch._functorch.config as _functorch_config
+
+    _functorch_config.decompose_custom_triton_ops = False
+
+
+def triton_available() -> bool:
+    """True when Triton kernels can run at all (a CUDA driver, or the CPU interpreter)."""
+    if INTERPRET:
+        return True
+    from torch.utils._triton import has_triton
+
+    return bool(has_triton())
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether an op on these tensors takes the Triton path.
+
+    CUDA tensors go to Triton; CPU tensors only under the interpreter. Everything else runs the
+    eager reference of identical semantics.
+    """
+    if not tensors:
+        return False
+    if all(t.is_cuda for t in tensors):
+        return triton_available()
+    return INTERPRET and all(t.device.type == "cpu" for t in tensors)
+
+
+class UnsupportedInputError(ValueError):
+    """The fused path cannot take these inputs (dtype, shape regime); the message says why."""
+
+
+def require_fp32(op: str, **tensors: torch.Tensor) -> None:
+    """The fused kernels accumulate in fp32 with IEEE dots and refuse anything else."""
+    for name, t in tensors.items():
+        if t.dtype != torch.float32:
+            raise UnsupportedInputError(
+                f"so2kernels.{op}: the fused path needs float32 for '{name}', got {t.dtype}; "
+                "call the reference (e.g. so2kernels.references) for other dtypes"
+            )

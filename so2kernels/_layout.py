@@ -1,0 +1,80 @@
+"""Layout contract shared by every op.
+
+Packed SO(3) coefficients: degree l occupies rows l²..l²+2l, ordered m = -l..+l, so
+``packed(l, m) = l² + l + m`` and ``D = (L+1)²``.
+
+Reduced m-major rows (mmax = 1), ``3L+1`` of them:
+  rows 0..L       m = 0,  l = 0..L
+  rows L+1..2L    m = -1, l = 1..L
+  rows 2L+1..3L   m = +1, l = 1..L
+A focus stream's row of width ``ROW = (3L+1)·Cf`` is these rows, each ``Cf`` channels wide
+(coefficient-major: ``flat = row·Cf + cf``). The wide channel is ``c = f·Cf + cf``.
+
+m=0 block of the SO(2) linear: ``M0 = (L+1)·Cf`` columns (rows 0..L of the reduced order);
+|m|=1 block: ``M1 = 2L·Cf`` (rows L+1..3L, ``[m=-1 | m=+1]``); gate width ``LG = L·Cf``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+SUPPORTED_LMAX = range(1, 7)
+SUPPORTED_FOCUS_DIMS = (32, 64, 96, 128)
+MAX_RANK = 4
+
+
+def n_coeff(lmax: int) -> int:
+    """Packed coefficient count ``(L+1)²``."""
+    return (lmax + 1) ** 2
+
+
+def n_reduced(lmax: int) -> int:
+    """Reduced (mmax=1) row count ``3L+1``."""
+    return 3 * lmax + 1
+
+
+def row_width(lmax: int, focus_dim: int) -> int:
+    """``ROW = (3L+1)·Cf``."""
+    return n_reduced(lmax) * focus_dim
+
+
+def block_widths(lmax: int, focus_dim: int) -> tuple[int, int, int]:
+    """``(M0, M1, LG) = ((L+1)·Cf, 2L·Cf, L·Cf)``."""
+    return (lmax + 1) * focus_dim, 2 * lmax * focus_dim, lmax * focus_dim
+
+
+def n_kernel_slots(lmax: int) -> int:
+    """Compact degree-kernel slots ``K = (L+1)² + L²`` (m=0 block, then the shared |m|=1 block)."""
+    return (lmax + 1) ** 2 + lmax**2
+
+
+@lru_cache(maxsize=None)
+def reduced_to_packed(lmax: int) -> tuple[int, ...]:
+    """Packed index of every reduced row: ``[l²+l | l²+l-1 (l≥1) | l²+l+1 (l≥1)]``."""
+    m0 = [l * l + l for l in range(lmax + 1)]
+    neg = [l * l + l - 1 for l in range(1, lmax + 1)]
+    pos = [l * l + l + 1 for l in range(1, lmax + 1)]
+    return tuple(m0 + neg + pos)
+
+
+@lru_cache(maxsize=None)
+def reduced_row_degree(lmax: int) -> tuple[int, ...]:
+    """Degree l of every reduced row: ``[0..L, 1..L, 1..L]``."""
+    return tuple(list(range(lmax + 1)) + list(range(1, lmax + 1)) * 2)
+
+
+def reduced_to_packed_tensor(lmax: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`reduced_to_packed` as an int64 tensor."""
+    return torch.tensor(reduced_to_packed(lmax), dtype=torch.int64, device=device)
+
+
+def check_regime(op: str, lmax: int, focus_dim: int) -> None:
+    """The fused kernels cover lmax 1..6 and Cf in {32, 64, 96, 128}."""
+    if lmax not in SUPPORTED_LMAX:
+        raise ValueError(f"so2kernels.{op}: lmax must be in 1..6, got {lmax}")
+    if focus_dim not in SUPPORTED_FOCUS_DIMS:
+        raise ValueError(
+            f"so2kernels.{op}: focus_dim must be one of {SUPPORTED_FOCUS_DIMS}, got {focus_dim}"
+        )
