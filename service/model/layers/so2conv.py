@@ -1,0 +1,283 @@
+"""SO(2) convolution of one interaction block (model-dpa4.md §4.2) on the so2kernels value path.
+
+Pipeline, per block with degree L, focus streams F of width Cf (``C_wide = F·Cf``):
+
+1. ``pre_focus_mix``: per-degree ``C → C_wide`` on the node features.
+2. Radial kernel from the block's radial features: ``rad = R[:, 0..L] (@ W_hid)``; rank 0 ("none")
+   multiplies each degree by ``rad``, rank R ≥ 1 ("degree_channel") contracts ``rad`` into the
+   compact degree kernel ``kc = rad.flatten() @ W_mix`` with channel basis ``cb``.
+3. ``rotate_mix`` (gather at src + Wigner rotation to the edge frame + radial mixing) → ``u0``.
+4. Focus competition ``α = 0.98·softmax(u0[l=0] @ w) + 0.02/F`` from the pre-stack l=0 row.
+5. ``mixing_stack`` (gated SO(2) linears, residual, α applied by the final layer) → ``x_local``.
+6. Rotate back with ``Dᵀ`` over the reduced rows, rescale l > 1 by ``√((2l+1)/3)``.
+7. Aggregate at dst: envelope-gated attention with null mass and an output gate, or the
+   env-weighted scatter with degree normalisation; ``post_focus_mix`` ``C_wide → C``.
+
+Steps 3 and 5 are the so2kernels ops (``fused``) or their eager references (``reference``); the
+packed stack weights are cached for inference and rebuilt live when weights need gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from service.model.config import ModelConfig
+from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
+from service.model.layers.linear import DegreeLinear, FocusLinear
+from service.model.layers.norms import ScalarRMSNorm, degree_of_packed_rows
+from so2kernels._layout import n_kernel_slots, n_reduced, reduced_to_packed
+
+FOCUS_LABEL_SMOOTHING = 0.02
+
+
+@dataclass(frozen=True)
+class PackedStack:
+    """Mixing-stack weights in the ops' layout (see so2kernels.mixing_stack)."""
+
+    w0_all: Tensor  # (n, F, M0, M0)
+    w1_all: Tensor  # (n, F, M1, M1)
+    gw_all: Tensor  # (n-1, F, Cf, LG)
+
+
+class SO2Linear(nn.Module):
+    """Weights of one SO(2) linear: ``weight_m0 (M0, F·M0)``, ``weight_m1 (L·Cf, F·2L·Cf)``.
+
+    ``weight_m1`` holds ``[W_u | W_v]`` per focus on its output axis; the (in, out) |m|=1 block is
+    ``[[W_u, W_v], [-W_v, W_u]]`` over rows/columns ``[m=-1 | m=+1]`` (model-dpa4.md §10.3).
+    """
+
+    def __init__(self, lmax: int, focus_dim: int, n_focus: int):
+        super().__init__()
+        m0 = (lmax + 1) * focus_dim
+        half = lmax * focus_dim
+        self.weight_m0 = nn.Parameter(torch.randn(m0, n_focus * m0) / math.sqrt(m0))
+        self.weight_m1 = nn.Parameter(torch.randn(half, n_focus * 2 * half) / math.sqrt(2 * half))
+
+    def packed(self, n_focus: int) -> tuple[Tensor, Tensor]:
+        """``(W0 (F, M0, M0), W1 (F, M1, M1))`` assembled per focus."""
+        m0 = self.weight_m0.shape[0]
+        half = self.weight_m1.shape[0]
+        w0 = self.weight_m0.view(m0, n_focus, m0).permute(1, 0, 2)
+        w = self.weight_m1.view(half, n_focus, 2 * half).permute(1, 0, 2)
+        w_u, w_v = w[..., :half], w[..., half:]
+        w1 = torch.cat([torch.cat([w_u, w_v], -1), torch.cat([-w_v, w_u], -1)], dim=-2)
+        return w0.contiguous(), w1.contiguous()
+
+
+class Attention(nn.Module):
+    """Envelope-gated softmax aggregation with a null mass and a node output gate (§4.2 step 9)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        f, cf, h = cfg.n_focus, cfg.focus_width, cfg.n_atten_head
+        self.n_focus, self.focus_dim, self.n_head = f, cf, h
+        self.eps = cfg.eps
+        self.qk_norm = ScalarRMSNorm(cf, f, eps=cfg.eps)
+        self.q_proj = FocusLinear(cf, cf, f)
+        self.k_proj = FocusLinear(cf, cf, f)
+        self.logit_weight = nn.Parameter(torch.randn(cf, f, h) * 0.01)
+        # softplus(0.5413) ≈ 1: the null mass starts as heavy as one full-weight neighbour.
+        self.null_raw = nn.Parameter(torch.full((f, h), 0.5413))
+        self.gate_norm = ScalarRMSNorm(cf, f, eps=cfg.eps)
+        self.gate_weight = nn.Parameter(torch.randn(cf, f, h) * 0.01)
+
+    def forward(
+        self, message: Tensor, x_l0: Tensor, rad_l0: Tensor, cache: EdgeCacheLike
+    ) -> Tensor:
+        """``message (E, D, Cw)``, ``x_l0 (N, F, Cf)``, ``rad_l0 (E, Cw)`` → ``(N, D, Cw)``."""
+        g = cache.graph
+        n_nodes, n_edges = x_l0.shape[0], message.shape[0]
+        f, h = self.n_focus, self.n_head
+        hd = self.focus_dim // h
+        qk_in = self.qk_norm(x_l0)
+        q = self.q_proj(qk_in).index_select(0, g.dst).view(n_edges, f, h, hd)
+        k = self.k_proj(qk_in).index_select(0, g.src).view(n_edges, f, h, hd)
+        logits = (q * k).sum(-1) / math.sqrt(hd)
+        logits = logits + torch.einsum(
+            "efi,ifh->efh", rad_l0.view(n_edges, f, self.focus_dim), self.logit_weight
+        )
+        weight = self._softmax(logits.view(n_edges, f * h), cache.env, g.dst, n_nodes)
+        d = message.shape[1]
+        weighted = message.view(n_edges, d, f * h, hd) * weight[:, None, :, None]
+        out = sum_into_dst(weighted, g.dst, n_nodes)  # (N, D, F·H, hd)
+        gate = torch.sigmoid(torch.einsum("nfi,ifh->nfh", self.gate_norm(x_l0), self.gate_weight))
+        out = out * gate.view(n_nodes, 1, f * h, 1)
+        return out.reshape(n_nodes, d, f * self.focus_dim)
+
+    def _softmax(self, logits: Tensor, env: Tensor, dst: Tensor, n_nodes: int) -> Tensor:
+        """``env²·e^ℓ / (softplus(z)+eps + Σ_{dst} env²·e^ℓ)`` per (f, h), shifted for stability.
+
+        The weights enter as ``ℓ + 2 log env`` so tiny envelopes near rcut do not underflow before
+        the normalisation; edges with env = 0 drop out exactly.
+        """
+        active = env > 0
+        log_w = 2.0 * torch.log(torch.where(active, env, torch.ones_like(env)))
+        eff = torch.where(
+            active[:, None], logits + log_w[:, None], torch.full_like(logits, -math.inf)
+        )
+        null_logit = torch.log(F.softplus(self.null_raw).reshape(1, -1) + self.eps)
+        # The shift cancels exactly, so it carries no gradient.
+        shift = null_logit.detach().expand(n_nodes, -1).clone()
+        idx = dst[:, None].expand_as(eff)
+        shift = shift.scatter_reduce(0, idx, eff.detach(), reduce="amax", include_self=True)
+        edge_exp = torch.exp(eff - shift.index_select(0, dst))
+        denom = sum_into_dst(edge_exp, dst, n_nodes) + torch.exp(null_logit - shift)
+        return edge_exp / denom.index_select(0, dst)
+
+
+class SO2Convolution(nn.Module):
+    """One block's SO(2) convolution: ``(N, (L+1)², C) → (N, (L+1)², C)``."""
+
+    packed_rows: Tensor
+    rotate_back_rescale: Tensor
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        lmax, c, cf, nf = cfg.lmax, cfg.channels, cfg.focus_width, cfg.n_focus
+        cw = cfg.hidden_channels
+        self.lmax, self.focus_dim, self.n_focus, self.hidden = lmax, cf, nf, cw
+        self.rank = cfg.radial_so2_rank if cfg.radial_so2_mode == "degree_channel" else 0
+        self.pre_focus_mix = DegreeLinear(lmax, c, cw)
+        self.post_focus_mix = DegreeLinear(lmax, cw, c, zero_init=True)
+        self.radial_hidden = nn.Parameter(torch.randn(c, cw) / math.sqrt(c)) if cw != c else None
+        if self.rank > 0:
+            k = n_kernel_slots(lmax)
+            fan_in = (lmax + 1) * cw
+            self.mixer_weight: nn.Parameter | None = nn.Parameter(
+                torch.randn(fan_in, k * self.rank) / math.sqrt(fan_in)
+            )
+            self.channel_basis: nn.Parameter | None = nn.Parameter(
+                torch.randn(self.rank, cw) / math.sqrt(self.rank)
+            )
+        else:
+            self.mixer_weight = None
+            self.channel_basis = None
+        self.linears = nn.ModuleList(SO2Linear(lmax, cf, nf) for _ in range(cfg.mixing_layers))
+        self.gates = nn.ParameterList(
+            nn.Parameter(torch.randn(cf, nf * lmax * cf) * 0.01)
+            for _ in range(cfg.mixing_layers - 1)
+        )
+        self.compete_weight = nn.Parameter(torch.randn(cf, nf) * 0.01) if nf > 1 else None
+        self.attention = Attention(cfg) if cfg.n_atten_head > 0 else None
+        packed_rows = torch.tensor(reduced_to_packed(lmax), dtype=torch.int64)
+        self.register_buffer("packed_rows", packed_rows, persistent=False)
+        rescale = torch.sqrt((2 * degree_of_packed_rows(lmax) + 1).clamp(min=3) / 3.0)
+        self.register_buffer("rotate_back_rescale", rescale.float(), persistent=False)
+        self._packed_cache: tuple[tuple[object, ...], PackedStack] | None = None
+
+    # ------------------------------------------------------------------ weights in op layout
+    def _linears(self) -> list[SO2Linear]:
+        return [lin for lin in self.linears if isinstance(lin, SO2Linear)]
+
+    def _stack_parameters(self) -> list[nn.Parameter]:
+        params: list[nn.Parameter] = []
+        for lin in self._linears():
+            params += [lin.weight_m0, lin.weight_m1]
+        return params + list(self.gates)
+
+    def _pack(self) -> PackedStack:
+        w0, w1 = zip(*(lin.packed(self.n_focus) for lin in self._linears()), strict=True)
+        cf, lg = self.focus_dim, self.lmax * self.focus_dim
+        if len(self.gates) > 0:
+            gw = torch.stack([g.view(cf, self.n_focus, lg).permute(1, 0, 2) for g in self.gates])
+        else:
+            gw = self._linears()[0].weight_m0.new_zeros(0, self.n_focus, cf, lg)
+        return PackedStack(torch.stack(w0), torch.stack(w1), gw.contiguous())
+
+    def packed_stack(self, *, live: bool) -> PackedStack:
+        """Stack weights in op layout; ``live`` keeps them in autograd (training)."""
+        if live:
+            return self._pack()
+        key = tuple((p.data_ptr(), p._version, p.device, p.dtype) for p in self._stack_parameters())
+        if self._packed_cache is None or self._packed_cache[0] != key:
+            with torch.no_grad():
+                self._packed_cache = (key, self._pack())
+        return self._packed_cache[1]
+
+    # ------------------------------------------------------------------ forward
+    def radial_kernel(self, radial: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``radial (E, L+1, C)`` → ``(kc, cb, rad_l0 (E, C_wide))`` in the rotate-mix layout."""
+        rad = radial if self.radial_hidden is None else radial @ self.radial_hidden
+        rad_l0 = rad[:, 0]
+        if self.rank == 0:
+            return rad.contiguous(), rad.new_zeros(0, self.hidden), rad_l0
+        assert self.mixer_weight is not None and self.channel_basis is not None
+        kc = rad.flatten(1) @ self.mixer_weight
+        return kc, self.channel_basis, rad_l0
+
+    def focus_alpha(self, u0: Tensor) -> Tensor:
+        """``α (E, F)`` from the pre-stack l=0 row of ``u0 (F, E, ROW)``."""
+        if self.compete_weight is None:
+            return u0.new_ones(u0.shape[1], 1)
+        logits = torch.einsum("fec,cf->ef", u0[:, :, : self.focus_dim], self.compete_weight)
+        soft = torch.softmax(logits, dim=1)
+        return soft * (1.0 - FOCUS_LABEL_SMOOTHING) + FOCUS_LABEL_SMOOTHING / self.n_focus
+
+    def rotate_back(self, x_local: Tensor, wigner: Tensor) -> Tensor:
+        """``x_local (E, F, ROW)`` → global ``(E, (L+1)², C_wide)`` with the l > 1 rescale."""
+        n_edges = x_local.shape[0]
+        d = (self.lmax + 1) ** 2
+        rows = x_local.view(n_edges, self.n_focus, n_reduced(self.lmax), self.focus_dim)
+        rows = rows.permute(0, 2, 1, 3).reshape(n_edges, -1, self.hidden)
+        d_rows = wigner[:, :d, :d].index_select(1, self.packed_rows)  # (E, Dm, D)
+        message = torch.bmm(d_rows.transpose(1, 2), rows)
+        return message * self.rotate_back_rescale[:, None]
+
+    def forward(
+        self,
+        x: Tensor,
+        radial: Tensor,
+        cache: EdgeCacheLike,
+        *,
+        fused: bool,
+        live_weights: bool,
+        taps: dict[str, Tensor] | None = None,
+    ) -> Tensor:
+        """``x (N, (L+1)², C)``, radial features ``(E, L+1, C)`` → update ``(N, (L+1)², C)``."""
+        g = cache.graph
+        n_nodes = x.shape[0]
+        wide = self.pre_focus_mix(x)
+        kc, cb, rad_l0 = self.radial_kernel(radial)
+        rotate_mix, mixing_stack = _value_path(fused)
+        u0 = rotate_mix(
+            wide, g.src, g.src_order, g.src_rowptr, cache.wigner, kc, cb,
+            self.lmax, self.n_focus, self.rank,
+        )  # fmt: skip
+        alpha = self.focus_alpha(u0)
+        stack = self.packed_stack(live=live_weights)
+        x_local, z_all, _ = mixing_stack(
+            u0, alpha, stack.w0_all, stack.w1_all, stack.gw_all,
+            self.lmax, self.focus_dim, self.compete_weight is not None,
+        )  # fmt: skip
+        message = self.rotate_back(x_local, cache.wigner)
+        if taps is not None:
+            taps.update(u0=u0, alpha=alpha, z_all=z_all, x_local=x_local, kc=kc)
+        if self.attention is not None:
+            x_l0 = wide[:, 0].view(n_nodes, self.n_focus, self.focus_dim)
+            out = self.attention(message, x_l0, rad_l0, cache)
+        else:
+            out = sum_into_dst(message * cache.env[:, None, None], g.dst, n_nodes)
+            out = out * cache.inv_sqrt_deg[:, None, None]
+        if taps is not None:
+            taps["post_focus_mix_in"] = out
+        update: Tensor = self.post_focus_mix(out)
+        return update
+
+
+def _value_path(fused: bool) -> tuple[Callable[..., Tensor], Callable[..., tuple[Tensor, ...]]]:
+    """The rotate-mix and mixing-stack callables of an execution path."""
+    if fused:
+        import so2kernels.mixing_stack
+        import so2kernels.rotate_mix  # noqa: F401
+
+        return torch.ops.so2kernels.so2_rotate_mix, torch.ops.so2kernels.so2_mixing_stack
+    from so2kernels.mixing_stack import mixing_stack_reference
+    from so2kernels.rotate_mix import rotate_mix_reference
+
+    return rotate_mix_reference, mixing_stack_reference

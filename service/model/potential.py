@@ -1,0 +1,266 @@
+"""The model-side API used by the service, the clients and training: :class:`Potential`.
+
+``Potential.predict(structures)`` runs, for a batch of validated structures::
+
+    build_graph → edge vectors (autograd leaf) → build_edge_cache → DPA4Model → atomic energies
+    → E per structure (float64) → one autograd.grad(E, edge_vec) → forces, virial (CSR sums)
+    → stress = −sym(W)/V
+
+Forces are exactly −∂E/∂r and the virial is the strain derivative (both from the edge gradient,
+service.graph.assembly). ``create_graph=True`` keeps the graph so a force loss can be
+differentiated (training). The execution path (fused so2kernels ops vs their eager references) and
+precision are decided here, once, and reported in :class:`ExecutionInfo`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from ase.data import atomic_numbers
+from torch import Tensor
+
+from service.graph.assembly import assemble_forces_virial, stress_from_virial
+from service.graph.edge_cache import build_edge_cache
+from service.graph.errors import InvalidStructureError
+from service.graph.neighbors import build_graph, edge_vectors
+from service.graph.structures import Structures
+from service.model.config import ModelConfig
+from service.model.dpa4 import DPA4Model
+from service.model.errors import ModelFileError
+
+PROPERTIES = frozenset({"energy", "energies", "forces", "virial", "stress"})
+PATHS = ("auto", "fused", "reference")
+PRECISIONS = ("fp32", "fp64")
+"""``fp64`` runs the model in float64 on the reference path (validation, finite differences)."""
+
+
+@dataclass
+class Prediction:
+    """Results of one batch, all float64 on the potential's device.
+
+    ``stress`` is ASE Voigt ``(xx, yy, zz, yz, xz, xy)`` in eV/Å³; rows of structures without a
+    full 3-D periodic cell are NaN (a volume is undefined). Fields not requested are ``None``.
+    """
+
+    energy: Tensor  # (B,) eV
+    energies: Tensor | None = None  # (N,) eV per atom
+    forces: Tensor | None = None  # (N, 3) eV/Å
+    virial: Tensor | None = None  # (B, 3, 3) eV
+    stress: Tensor | None = None  # (B, 6) eV/Å³
+
+
+@dataclass(frozen=True)
+class ExecutionInfo:
+    """What produced a prediction: value path, arithmetic tier and device."""
+
+    path: str  # "fused" | "reference"
+    precision: str  # "fp32"
+    device: str
+
+
+@dataclass(frozen=True)
+class PotentialMetadata:
+    """Identity of the served model."""
+
+    name: str
+    sha256: str
+    elements: tuple[str, ...]
+    rcut: float
+    config: ModelConfig
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_path(config: ModelConfig, device: torch.device, path: str) -> str:
+    """The one place that decides the SO(2) value path.
+
+    ``auto``: fused on CUDA when the architecture is fused-eligible, the reference otherwise.
+    ``fused`` elsewhere runs the ops, which execute Triton under ``TRITON_INTERPRET=1`` and their
+    own reference otherwise.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path == "auto":
+        return "fused" if device.type == "cuda" and config.fused_eligible else "reference"
+    if path == "fused" and not config.fused_eligible:
+        raise ValueError(
+            "this architecture is outside the fused kernels' regime (focus_dim in {32,64,96,128}, "
+            "lmax 1..6, mixing_layers >= 2, rank <= 4): use path='reference'"
+        )
+    return path
+
+
+def _type_lookup(type_map: tuple[str, ...]) -> Tensor:
+    """Atomic number → type index (−1 for elements the model does not know)."""
+    table = torch.full((119,), -1, dtype=torch.int64)
+    for index, symbol in enumerate(type_map):
+        table[atomic_numbers[symbol]] = index
+    return table
+
+
+class Potential:
+    """A model placed on a device with a fixed execution path; evaluates batches of structures."""
+
+    def __init__(
+        self,
+        model: DPA4Model,
+        *,
+        device: str | torch.device = "auto",
+        path: str = "auto",
+        precision: str = "fp32",
+        metadata: PotentialMetadata | None = None,
+    ):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.device = resolve_device(device)
+        cfg = model.config
+        if precision == "fp64" and path == "auto":
+            path = "reference"
+        resolved = resolve_path(cfg, self.device, path)
+        if precision == "fp64" and resolved == "fused":
+            raise ValueError("precision='fp64' runs on the reference path only (kernels are fp32)")
+        self.dtype = torch.float64 if precision == "fp64" else torch.float32
+        self.model = model.to(self.device, self.dtype).eval()
+        self.execution = ExecutionInfo(resolved, precision, str(self.device))
+        self.metadata = metadata or PotentialMetadata(
+            name="in-memory", sha256="", elements=cfg.type_map, rcut=cfg.rcut, config=cfg
+        )
+        self._types_of_number = _type_lookup(cfg.type_map).to(self.device)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def atom_types(self, structures: Structures) -> Tensor:
+        """Type index of every atom; unknown elements raise ``InvalidStructureError``."""
+        types = self._types_of_number[structures.numbers.clamp(0, 118)]
+        unknown = types < 0
+        if bool(unknown.any()):
+            atom = int(torch.nonzero(unknown)[0, 0])
+            struct = int(structures.atom_batch[atom])
+            number = int(structures.numbers[atom])
+            raise InvalidStructureError(
+                "unknown_element",
+                f"element Z={number} is not supported by this model (elements: "
+                f"{', '.join(self.config.type_map)})",
+                field=f"structures[{struct}].numbers",
+                index=struct,
+            )
+        return types
+
+    def predict(
+        self,
+        structures: Structures,
+        properties: Collection[str] = ("energy", "forces"),
+        *,
+        create_graph: bool = False,
+    ) -> Prediction:
+        """Evaluate a batch; see the module docstring for the pipeline."""
+        unknown = set(properties) - PROPERTIES
+        if unknown:
+            raise ValueError(
+                f"unknown properties {sorted(unknown)}; choose from {sorted(PROPERTIES)}"
+            )
+        cfg = self.config
+        structures = structures.to(self.device)
+        types = self.atom_types(structures)
+        graph = build_graph(structures, cfg.rcut)
+        want_grad = bool({"forces", "virial", "stress"} & set(properties))
+        with torch.enable_grad() if (want_grad or create_graph) else torch.no_grad():
+            vec = edge_vectors(graph, structures.positions, structures.cells)
+            edge_vec = vec.detach().requires_grad_(want_grad)
+            cache = build_edge_cache(
+                graph,
+                edge_vec,
+                rcut=cfg.rcut,
+                lmax=cfg.lmax,
+                env_exponents=cfg.env_exponents,
+                deg_floor=cfg.degree_norm_floor,
+                eps=cfg.eps,
+                dtype=self.dtype,
+            )
+            atom_energy = self.model(
+                types, cache, fused=self.execution.path == "fused", live_weights=create_graph
+            )
+            energy = atom_energy.new_zeros(structures.n_structures).index_add(
+                0, structures.atom_batch, atom_energy
+            )
+            result = Prediction(energy=energy if create_graph else energy.detach())
+            if "energies" in properties:
+                result.energies = atom_energy if create_graph else atom_energy.detach()
+            if not want_grad:
+                return result
+            (edge_grad,) = torch.autograd.grad(
+                energy.sum(), edge_vec, create_graph=create_graph, allow_unused=True
+            )
+            if edge_grad is None:  # no edges at all: nothing depends on geometry
+                edge_grad = torch.zeros_like(edge_vec)
+            assembled = assemble_forces_virial(
+                graph, edge_grad.double(), edge_vec.detach().double()
+            )
+        if "forces" in properties:
+            result.forces = assembled.forces
+        if "virial" in properties or "stress" in properties:
+            result.virial = assembled.virial
+        if "stress" in properties:
+            result.stress = stress_from_virial(assembled.virial, structures.cells, structures.pbc)
+        return result
+
+    def info(self) -> dict[str, Any]:
+        """JSON-ready description of the served model and how it runs."""
+        meta = self.metadata
+        return {
+            "name": meta.name,
+            "sha256": meta.sha256,
+            "elements": list(meta.elements),
+            "rcut": meta.rcut,
+            "config": meta.config.to_dict(),
+            "provenance": meta.provenance,
+            "n_parameters": sum(p.numel() for p in self.model.parameters()),
+            "execution": {
+                "path": self.execution.path,
+                "precision": self.execution.precision,
+                "device": self.execution.device,
+            },
+        }
+
+
+def default_model_path() -> Path:
+    """The shipped default model: ``service/models/default.safetensors``."""
+    return Path(__file__).resolve().parents[1] / "models" / "default.safetensors"
+
+
+def load_potential(
+    model: str | Path | None = None,
+    *,
+    device: str | torch.device = "auto",
+    path: str = "auto",
+    precision: str = "fp32",
+) -> Potential:
+    """Load a model file (``None`` = the shipped default) into a :class:`Potential`."""
+    from service.model.io import load_model
+
+    file = Path(model) if model is not None else default_model_path()
+    if model is None and not file.is_file():
+        raise ModelFileError(f"no default model shipped at {file}; pass a model file")
+    net = load_model(file)
+    doc = net.file_metadata or {}
+    meta = PotentialMetadata(
+        name=file.stem,
+        sha256=str(doc.get("weights_sha256", "")),
+        elements=net.config.type_map,
+        rcut=net.config.rcut,
+        config=net.config,
+        provenance=dict(doc.get("provenance", {})),
+    )
+    return Potential(net, device=device, path=path, precision=precision, metadata=meta)
