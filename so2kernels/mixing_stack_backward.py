@@ -1,0 +1,401 @@
+"""Backward of ``so2_mixing_stack``: closed-form traversal (ATen) and the fused Triton traversal.
+
+The stack is ``u_{k+1} = u_k + act(z_k)``, ``z_k = [u_k,m0 W0_k | u_k,m1 W1_k]`` for the gated
+layers, then ``out = u + [u_m0 W0_last | u_m1 W1_last]`` and ``x_local = alpha·out``. Its
+vector-Jacobian product walks the layers backwards:
+
+* final layer: ``gz = alpha·grad`` (focus-major), ``g = gz + gz Wᵀ``; ``grad_alpha = Σ grad·out =
+  Σ grad·x_local / alpha`` (exact, alpha only scales and is ≥ 0.02/F);
+* gated layer ``k``: ``(gz_k, q_k) = gated_act_bwd(g, z_k)``, then ``g ← g + gz_k Wᵀ``;
+* weights: ``∂W_k = u_kᵀ gz_k``, ``∂Wg_k = s_kᵀ q_k`` (``s_k`` the scalar rows of ``z_k``), with
+  layer inputs recovered as ``u_k = u_{k+1} - act(z_k)`` from ``u_final`` (``u_0`` is the
+  operand itself, so the bottom layer contracts against the exact value).
+
+Cotangents may also arrive on the forward's other outputs (``z_all``, ``u_final``) when a force
+loss differentiates the backward again; they join where the forward produced those tensors.
+
+Two implementations of the same formulas:
+
+* :func:`stack_backward_composed` — ATen ``bmm`` plus injectable gated-activation functions. With
+  the ATen gate references it is the eager reference; with the registered ``gated_act`` /
+  ``gated_act_bwd`` ops it is the differentiable training path whose second order is closed
+  form (``bmm`` VJPs and the hand-derived second order of ``gated_act_bwd``).
+* :func:`_stack_backward_fused` — the Triton traversal (per gated layer: gate backward, scalar
+  backward, two residual GEMMs), behind the op ``so2kernels::so2_mixing_stack_bwd``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+from torch import Tensor
+from torch.library import wrap_triton
+
+from so2kernels._dispatch import require_fp32, use_triton
+from so2kernels._layout import block_widths
+from so2kernels.gated_act import gated_act_backward_reference, gated_act_reference
+from so2kernels.mixing_stack_kernels import (
+    StackPrecision,
+    TileConfig,
+    block_bwd_kernel,
+    gate_bwd_kernel,
+    scalar_bwd_kernel,
+    tile_config,
+    weight_operands,
+)
+
+__all__ = ["mixing_stack_backward_reference", "stack_backward_composed"]
+
+ActFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""``act(z, gw, gwt) -> (F, E, ROW)``: the gated activation of one layer."""
+ActBwdFn = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+"""``act_bwd(g, z, gw, gwt) -> (grad_z, grad_logit)``: its first order."""
+
+StackGrads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+"""``(grad_u0 (F,E,ROW), grad_alpha (E,F), grad_w0_all, grad_w1_all, grad_gw_all)``."""
+
+
+def _block_linear_t(g: Tensor, w0: Tensor, w1: Tensor, m0: int) -> Tensor:
+    """``[g_m0 @ w0ᵀ | g_m1 @ w1ᵀ]`` per focus (the residual backward of one layer)."""
+    return torch.cat(
+        [torch.bmm(g[:, :, :m0], w0.transpose(1, 2)), torch.bmm(g[:, :, m0:], w1.transpose(1, 2))],
+        dim=-1,
+    )
+
+
+def _block_weight_grads(u: Tensor, gz: Tensor, m0: int) -> tuple[Tensor, Tensor]:
+    """``(u_m0ᵀ gz_m0, u_m1ᵀ gz_m1)`` per focus: the edge-reduced outer products."""
+    return (
+        torch.bmm(u[:, :, :m0].transpose(1, 2), gz[:, :, :m0]),
+        torch.bmm(u[:, :, m0:].transpose(1, 2), gz[:, :, m0:]),
+    )
+
+
+def _empty_weight_grads(like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return like.new_empty(0), like.new_empty(0), like.new_empty(0)
+
+
+def _grad_alpha(grad_out: Tensor, x_local: Tensor, alpha: Tensor, apply_alpha: bool) -> Tensor:
+    """``Σ_c grad·out = Σ_c grad·x_local / alpha`` per (edge, focus), ``(E, F)``."""
+    if not apply_alpha:
+        return torch.zeros_like(alpha)
+    return (grad_out * x_local).sum(-1) / alpha
+
+
+def _scaled_grad(grad_out: Tensor, alpha: Tensor, apply_alpha: bool) -> Tensor:
+    """Cotangent of the unscaled final-layer output, edge-major ``(E, F, ROW)``."""
+    return grad_out * alpha.unsqueeze(-1) if apply_alpha else grad_out
+
+
+def stack_backward_composed(
+    grad_out: Tensor,
+    x_local: Tensor,
+    z_all: Tensor,
+    u_final: Tensor,
+    alpha: Tensor,
+    u0: Tensor,
+    w0_all: Tensor,
+    w1_all: Tensor,
+    gw_all: Tensor,
+    grad_z: Tensor | None,
+    grad_u: Tensor | None,
+    lmax: int,
+    focus_dim: int,
+    apply_alpha: bool,
+    need_weights: bool,
+    act: ActFn,
+    act_bwd: ActBwdFn,
+) -> StackGrads:
+    """Closed-form VJP of the stack in ATen ``bmm`` and the given gated-activation functions.
+
+    ``grad_out (E, F, ROW)`` is the cotangent of ``x_local``; ``grad_z (n-1, F, E, ROW)`` and
+    ``grad_u (F, E, ROW)`` those of ``z_all`` and ``u_final`` (or ``None``). Weight gradients
+    are zero-size tensors unless ``need_weights``.
+    """
+    m0 = block_widths(lmax, focus_dim)[0]
+    n_gated = z_all.shape[0]
+    grad_alpha = _grad_alpha(grad_out, x_local, alpha, apply_alpha)
+    gz = _scaled_grad(grad_out, alpha, apply_alpha).transpose(0, 1)
+    g = gz + _block_linear_t(gz, w0_all[n_gated], w1_all[n_gated], m0)
+    if grad_u is not None:
+        g = g + grad_u
+    grads_w0: list[Tensor] = []
+    grads_w1: list[Tensor] = []
+    grads_gw: list[Tensor] = []
+    if need_weights:
+        gw0, gw1 = _block_weight_grads(u_final, gz, m0)
+        grads_w0.append(gw0)
+        grads_w1.append(gw1)
+    u_next = u_final
+    for layer in range(n_gated - 1, -1, -1):
+        z = z_all[layer]
+        gw = gw_all[layer]
+        gwt = gw.transpose(1, 2)
+        gz, grad_logit = act_bwd(g, z, gw, gwt)
+        if grad_z is not None:
+            gz = gz + grad_z[layer]
+        if need_weights:
+            u_in = u0 if layer == 0 else u_next - act(z, gw, gwt)
+            gw0, gw1 = _block_weight_grads(u_in, gz, m0)
+            grads_w0.append(gw0)
+            grads_w1.append(gw1)
+            grads_gw.append(torch.bmm(z[:, :, :focus_dim].transpose(1, 2), grad_logit))
+            u_next = u_in
+        g = g + _block_linear_t(gz, w0_all[layer], w1_all[layer], m0)
+    if not need_weights:
+        return (g, grad_alpha, *_empty_weight_grads(g))
+    grad_gw_all = torch.stack(grads_gw[::-1]) if grads_gw else gw_all.new_zeros(gw_all.shape)
+    return g, grad_alpha, torch.stack(grads_w0[::-1]), torch.stack(grads_w1[::-1]), grad_gw_all
+
+
+def mixing_stack_backward_reference(
+    grad_out: Tensor,
+    x_local: Tensor,
+    z_all: Tensor,
+    u_final: Tensor,
+    alpha: Tensor,
+    u0: Tensor,
+    w0_all: Tensor,
+    w1_all: Tensor,
+    gw_all: Tensor,
+    grad_z: Tensor | None,
+    grad_u: Tensor | None,
+    lmax: int,
+    focus_dim: int,
+    apply_alpha: bool,
+    need_weights: bool,
+) -> StackGrads:
+    """Eager closed-form backward (any dtype); see :func:`stack_backward_composed`."""
+
+    def act(z: Tensor, gw: Tensor, gwt: Tensor) -> Tensor:
+        return gated_act_reference(z, gw, gwt, lmax, focus_dim)
+
+    def act_bwd(g: Tensor, z: Tensor, gw: Tensor, gwt: Tensor) -> tuple[Tensor, Tensor]:
+        return gated_act_backward_reference(g, z, gw, lmax, focus_dim)
+
+    return stack_backward_composed(
+        grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+        lmax, focus_dim, apply_alpha, need_weights, act, act_bwd,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused Triton traversal
+# ----------------------------------------------------------------------------------------------
+
+
+class _Launcher:
+    """Grid and launch arguments shared by every kernel of one traversal."""
+
+    def __init__(
+        self, n_edge: int, n_focus: int, lmax: int, focus_dim: int, cfg: TileConfig, fast: bool
+    ):
+        self.n_edge, self.n_focus, self.cfg = n_edge, n_focus, cfg
+        self.meta = {
+            "L": lmax, "CF": focus_dim, "FAST": fast,
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+        }  # fmt: skip
+
+    def grid(self, width: int) -> tuple[int, int]:
+        tiles = triton.cdiv(self.n_edge, self.cfg.block_m) * triton.cdiv(width, self.cfg.block_n)
+        return tiles, self.n_focus
+
+
+def _stack_backward_fused(
+    grad_out: Tensor,
+    x_local: Tensor,
+    z_all: Tensor,
+    u_final: Tensor,
+    alpha: Tensor,
+    u0: Tensor,
+    w0_all: Tensor,
+    w1_all: Tensor,
+    gw_all: Tensor,
+    grad_z: Tensor | None,
+    grad_u: Tensor | None,
+    lmax: int,
+    focus_dim: int,
+    apply_alpha: bool,
+    need_weights: bool,
+    precision: StackPrecision,
+) -> StackGrads:
+    """Triton traversal. Inputs contiguous fp32; activations and cotangents focus-major."""
+    n_gated, n_focus, n_edge, _ = z_all.shape
+    m0, m1, gate_width = block_widths(lmax, focus_dim)
+    fast = precision is StackPrecision.FAST
+    run = _Launcher(
+        n_edge,
+        n_focus,
+        lmax,
+        focus_dim,
+        tile_config("bwd", focus_dim, lmax, precision, u0.device),
+        fast,
+    )
+    gate_run = _Launcher(
+        n_edge,
+        n_focus,
+        lmax,
+        focus_dim,
+        tile_config("gate", focus_dim, lmax, precision, u0.device),
+        fast,
+    )
+    w0t = weight_operands(w0_all.transpose(2, 3), precision)
+    w1t = weight_operands(w1_all.transpose(2, 3), precision)
+    gws = weight_operands(gw_all, precision)
+    gwts = weight_operands(gw_all.transpose(2, 3), precision)
+
+    grad_alpha = _grad_alpha(grad_out, x_local, alpha, apply_alpha)
+    g = torch.empty_like(u_final)
+    for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
+        wrap_triton(block_bwd_kernel)[run.grid(width)](
+            grad_out, wt, wt_lo, g, alpha, g, n_edge, n_gated,
+            M1_BLOCK=is_m1, FINAL=True, APPLY_ALPHA=apply_alpha, **run.meta,
+        )  # fmt: skip
+    if grad_u is not None:
+        g += grad_u
+
+    grads_w0 = w0_all.new_empty(w0_all.shape) if need_weights else u0.new_empty(0)
+    grads_w1 = w1_all.new_empty(w1_all.shape) if need_weights else u0.new_empty(0)
+    grads_gw = gw_all.new_empty(gw_all.shape) if need_weights else u0.new_empty(0)
+    if need_weights:
+        scaled = _scaled_grad(grad_out, alpha, apply_alpha).transpose(0, 1)
+        gw0, gw1 = _block_weight_grads(u_final, scaled, m0)
+        grads_w0[n_gated] = gw0
+        grads_w1[n_gated] = gw1
+
+    gz = torch.empty_like(u_final)
+    grad_logit = u_final.new_empty((n_focus, n_edge, gate_width))
+    g_next = torch.empty_like(u_final)
+    u_next = u_final
+    for layer in range(n_gated - 1, -1, -1):
+        recover = need_weights and layer > 0
+        u_in = torch.empty_like(u_final) if recover else u0
+        wrap_triton(gate_bwd_kernel)[gate_run.grid(gate_width)](
+            z_all, gws[0], gws[1], g, gz, grad_logit, u_next, u_in, n_edge, layer,
+            RECOVER=recover, **gate_run.meta,
+        )  # fmt: skip
+        wrap_triton(scalar_bwd_kernel)[gate_run.grid(focus_dim)](
+            grad_logit, gwts[0], gwts[1], z_all, g, gz, u_next, u_in, n_edge, layer,
+            RECOVER=recover, **gate_run.meta,
+        )  # fmt: skip
+        if grad_z is not None:
+            gz += grad_z[layer]
+        if need_weights:
+            gw0, gw1 = _block_weight_grads(u_in, gz, m0)
+            grads_w0[layer] = gw0
+            grads_w1[layer] = gw1
+            grads_gw[layer] = torch.bmm(z_all[layer, :, :, :focus_dim].transpose(1, 2), grad_logit)
+            u_next = u_in
+        for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
+            wrap_triton(block_bwd_kernel)[run.grid(width)](
+                gz, wt, wt_lo, g, alpha, g_next, n_edge, layer,
+                M1_BLOCK=is_m1, FINAL=False, APPLY_ALPHA=False, **run.meta,
+            )  # fmt: skip
+        g, g_next = g_next, g
+    return g, grad_alpha, grads_w0, grads_w1, grads_gw
+
+
+# ----------------------------------------------------------------------------------------------
+# Op registration: the first-order backward as one op (no autograd of its own: the training
+# path that differentiates the backward again goes through stack_backward_composed instead)
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.triton_op("so2kernels::so2_mixing_stack_bwd", mutates_args=())
+def _mixing_stack_bwd_op(
+    grad_out: Tensor,
+    x_local: Tensor,
+    z_all: Tensor,
+    u_final: Tensor,
+    alpha: Tensor,
+    u0: Tensor,
+    w0_all: Tensor,
+    w1_all: Tensor,
+    gw_all: Tensor,
+    grad_z: Tensor | None,
+    grad_u: Tensor | None,
+    lmax: int,
+    focus_dim: int,
+    apply_alpha: bool,
+    need_weights: bool,
+    precision: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    tier = StackPrecision.parse(precision)
+    if not use_triton(grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all):
+        grads = mixing_stack_backward_reference(
+            grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+            lmax, focus_dim, apply_alpha, need_weights,
+        )  # fmt: skip
+        return tuple(t.contiguous() for t in grads)  # type: ignore[return-value]
+    require_fp32(
+        "so2_mixing_stack_bwd", grad_out=grad_out, x_local=x_local, z_all=z_all, u_final=u_final,
+        alpha=alpha, u0=u0, w0_all=w0_all, w1_all=w1_all, gw_all=gw_all,
+    )  # fmt: skip
+    return _stack_backward_fused(
+        grad_out.contiguous(), x_local.contiguous(), z_all.contiguous(), u_final.contiguous(),
+        alpha.contiguous(), u0.contiguous(), w0_all.contiguous(), w1_all.contiguous(),
+        gw_all.contiguous(),
+        None if grad_z is None else grad_z.contiguous(),
+        None if grad_u is None else grad_u.contiguous(),
+        lmax, focus_dim, apply_alpha, need_weights, tier,
+    )  # fmt: skip
+
+
+@_mixing_stack_bwd_op.register_fake  # type: ignore[untyped-decorator]
+def _mixing_stack_bwd_fake(
+    grad_out: Tensor,
+    x_local: Tensor,
+    z_all: Tensor,
+    u_final: Tensor,
+    alpha: Tensor,
+    u0: Tensor,
+    w0_all: Tensor,
+    w1_all: Tensor,
+    gw_all: Tensor,
+    grad_z: Tensor | None,
+    grad_u: Tensor | None,
+    lmax: int,
+    focus_dim: int,
+    apply_alpha: bool,
+    need_weights: bool,
+    precision: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def weight_grad(w: Tensor) -> Tensor:
+        return w.new_empty(w.shape) if need_weights else w.new_empty(0)
+
+    return (
+        u0.new_empty(u0.shape),
+        alpha.new_empty(alpha.shape),
+        weight_grad(w0_all),
+        weight_grad(w1_all),
+        weight_grad(gw_all),
+    )
+
+
+def mixing_stack_backward(
+    grad_out: Tensor,
+    x_local: Tensor,
+    z_all: Tensor,
+    u_final: Tensor,
+    alpha: Tensor,
+    u0: Tensor,
+    w0_all: Tensor,
+    w1_all: Tensor,
+    gw_all: Tensor,
+    grad_z: Tensor | None,
+    grad_u: Tensor | None,
+    lmax: int,
+    focus_dim: int,
+    apply_alpha: bool,
+    need_weights: bool,
+    precision: str = StackPrecision.EXACT.value,
+) -> StackGrads:
+    """``torch.ops.so2kernels.so2_mixing_stack_bwd``: the first-order backward as one op."""
+    grads: StackGrads = _mixing_stack_bwd_op(
+        grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+        lmax, focus_dim, apply_alpha, need_weights, precision,
+    )  # fmt: skip
+    return grads

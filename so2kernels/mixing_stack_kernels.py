@@ -1,0 +1,509 @@
+"""Triton kernels shared by ``so2_mixing_stack`` and ``gated_act``, and their launch tiles.
+
+Layout contract (see :mod:`so2kernels.mixing_stack` and :mod:`so2kernels.gated_act`):
+activations are focus-major ``(F, E, ROW)``, stacked per-layer tensors ``(NL, F, E, ROW)``,
+block weights ``(NL, F, K, K)`` in (in, out) storage, gate projections ``(NL, F, Cf, LG)``,
+sigmoid gates and gate-logit gradients ``(F, E, LG)``, alpha ``(E, F)``; the stack result is
+edge-major ``(E, F, ROW)``. Every kernel reads a layer through an integer ``layer`` into the
+stacked tensors (no per-layer views reach Triton). Element offsets are int64.
+
+Every kernel is a tiled GEMM ``acc = A @ B`` over one block of the row (the m=0 block, the |m|=1
+block, the gate projection or its transpose) with a fused epilogue. Program grid:
+``(cdiv(E, BLOCK_M) · cdiv(N, BLOCK_N), F)``; output-column tiles vary fastest so the programs
+that share an edge tile of A run together and hit it in L2.
+
+Precision tiers (``FAST`` constexpr):
+
+* exact (``FAST=False``): fp32 ``tl.dot(..., input_precision="ieee")``, no TF32.
+* fast (``FAST=True``, "fp16x3", after Ootomo & Yokota): both operands are split into fp16 heads
+  and tails, ``A·B ≈ Ah·Bh + (Ah·Bl + Al·Bh)``, on tensor cores with fp32 accumulation; the head
+  product and the tail corrections keep separate accumulators merged once per tile. Tails are
+  stored scaled by ``2^11`` (so they do not underflow fp16) and activations are scaled by
+  ``2^-4`` before the split (so large residual-stream values do not overflow the fp16 head); both
+  scales are powers of two and undone exactly. Weight splits are prepared once per call by
+  :func:`split_fp16x3`; activation splits happen in registers.
+"""
+
+# Triton kernels take untyped pointer/constexpr arguments and @triton.jit is an untyped decorator.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cache
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = [
+    "ACT_PRESCALE",
+    "TAIL_SCALE",
+    "StackPrecision",
+    "TileConfig",
+    "split_fp16x3",
+    "tile_config",
+]
+
+ACT_PRESCALE = 2.0**-4
+"""Activation prescale of the fast tier (keeps fp16 heads of large activations finite)."""
+TAIL_SCALE = 2.0**11
+"""Tail scale of the fast tier (keeps fp16 tails of small values out of the subnormal range)."""
+
+
+class StackPrecision(StrEnum):
+    """GEMM precision of the mixing stack, chosen per call and never substituted silently."""
+
+    EXACT = "ieee"
+    """fp32 FMA dots with IEEE rounding (no TF32): the default, bitwise-stable tier."""
+    FAST = "fp16x3"
+    """Error-compensated fp16 tensor-core GEMMs (~2^-22 relative step per GEMM)."""
+
+    @classmethod
+    def parse(cls, value: str | StackPrecision) -> StackPrecision:
+        """Map an op argument to the enum; an unknown name raises ``ValueError``."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in cls)
+            raise ValueError(
+                f"so2kernels: unknown stack precision {value!r}; use one of {choices}"
+            ) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch tiles
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch shape: ``BLOCK_M`` edges × ``BLOCK_N`` output columns, ``BLOCK_K`` per K step."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Conservative defaults. Exact fp32: 64×64×32 FMA tiles keep registers in check on every Cf.
+# Fast: 128-edge tiles feed the tensor cores. Under the interpreter, fewer and larger programs are
+# cheaper (cost grows with program count, barely with tile size).
+_DEFAULT_EXACT = TileConfig(64, 64, 32, 4, 2)
+_DEFAULT_FAST = TileConfig(128, 64, 32, 8, 3)
+_INTERPRETER = TileConfig(32, 64, 32, 1, 1)
+
+TABLE_DIR = Path(__file__).resolve().parent / "tables"
+"""Where the swept tables live: ``mixing_stack_<gpu>.json`` (written by the benchmark sweep)."""
+
+
+def _gpu_key(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device).lower().replace(" ", "_")
+
+
+@cache
+def _load_table(gpu_key: str) -> dict[str, list[int]]:
+    path = Path(os.environ.get("SO2_STACK_TABLE", TABLE_DIR / f"mixing_stack_{gpu_key}.json"))
+    if not path.exists():
+        return {}
+    entries: dict[str, list[int]] = json.loads(path.read_text())["configs"]
+    return entries
+
+
+def table_key(kind: str, focus_dim: int, lmax: int, precision: StackPrecision) -> str:
+    """Key of one table entry, e.g. ``"fwd|cf128|l2|ieee"`` (kind: ``fwd``, ``bwd``, ``gate``)."""
+    return f"{kind}|cf{focus_dim}|l{lmax}|{precision.value}"
+
+
+def tile_config(
+    kind: str, focus_dim: int, lmax: int, precision: StackPrecision, device: torch.device
+) -> TileConfig:
+    """Launch tile for a kernel family on ``device``: swept table entry, else the fallback."""
+    if device.type != "cuda":
+        return _INTERPRETER
+    entry = _load_table(_gpu_key(device)).get(table_key(kind, focus_dim, lmax, precision))
+    if entry is not None:
+        return TileConfig(*entry)
+    return fallback_tile(precision)
+
+
+def fallback_tile(precision: StackPrecision) -> TileConfig:
+    """The conservative GPU tile used when the swept table has no entry."""
+    return _DEFAULT_FAST if precision is StackPrecision.FAST else _DEFAULT_EXACT
+
+
+def split_fp16x3(w: Tensor) -> tuple[Tensor, Tensor]:
+    """fp16 head and ``TAIL_SCALE``-scaled fp16 tail of an fp32 weight: ``w ≈ hi + lo/2^11``."""
+    hi = w.to(torch.float16)
+    lo = ((w - hi.to(torch.float32)) * TAIL_SCALE).to(torch.float16)
+    return hi, lo
+
+
+def weight_operands(w: Tensor, precision: StackPrecision) -> tuple[Tensor, Tensor]:
+    """The (head, tail) pair a kernel reads for weight ``w``; the exact tier reads ``w`` twice."""
+    w = w.contiguous()
+    if precision is StackPrecision.FAST:
+        return split_fp16x3(w)
+    return w, w
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: the shared tile product
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_matmul(
+    a_rows,  # (BLOCK_M,) pointers to A[m, 0]; A columns are contiguous
+    row_mask,
+    b_ptr,  # B[0, 0] (fp32, or the fp16 head when FAST); B rows are LDB apart
+    b_lo_ptr,  # fp16 tail of B when FAST (scaled by TAIL_SCALE); unused otherwise
+    offs_n,
+    n_mask,
+    K: tl.constexpr,
+    LDB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """``acc (BLOCK_M, BLOCK_N) = A[:, :K] @ B[:K, offs_n]`` in fp32."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tail = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        a = tl.load(
+            a_rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        b_off = k.to(tl.int64)[:, None] * LDB + offs_n[None, :]
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        b = tl.load(b_ptr + b_off, mask=b_mask, other=0.0)
+        if FAST:
+            a_scaled = a * 0.0625
+            a_hi = a_scaled.to(tl.float16)
+            a_lo = ((a_scaled - a_hi.to(tl.float32)) * 2048.0).to(tl.float16)
+            b_lo = tl.load(b_lo_ptr + b_off, mask=b_mask, other=0.0)
+            acc = tl.dot(a_hi, b, acc)
+            tail = tl.dot(a_hi, b_lo, tail)
+            tail = tl.dot(a_lo, b, tail)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+    if FAST:
+        acc = (acc + tail * (1.0 / 2048.0)) * 16.0
+    return acc
+
+
+@triton.jit
+def _tile_coords(n_edge, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Edge rows (int64) and output columns of this program, with their masks."""
+    n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < n_edge, cols, cols < N, pid_n
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: forward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def block_fwd_kernel(
+    u_ptr,  # (F, E, ROW) layer input
+    w_ptr,  # (NL, F, W, W) block weights (fp16 head when FAST)
+    w_lo_ptr,  # (NL, F, W, W) fp16 tails when FAST
+    z_ptr,  # (NG, F, E, ROW) pre-activation stack (gated layers)
+    sig_ptr,  # (F, E, LG) gates of this layer (gated layers, |m|=1 block)
+    alpha_ptr,  # (E, F) competition weight (FINAL with APPLY_ALPHA)
+    out_ptr,  # (F, E, ROW) next activation; (E, F, ROW) edge-major when FINAL
+    n_edge,
+    layer,
+    L: tl.constexpr,
+    CF: tl.constexpr,
+    M1_BLOCK: tl.constexpr,
+    FINAL: tl.constexpr,
+    APPLY_ALPHA: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One block GEMM of a layer, ``z = u[:, blk] @ W[layer, f]``, with the layer's epilogue.
+
+    Gated layer: store ``z``; the m=0 block also finishes the SiLU scalar rows and the |m|=1 block
+    applies the gates, ``out = u + z·σ``. Final identity layer (``FINAL``): ``(u + z)·alpha``
+    stored edge-major.
+    """
+    M0: tl.constexpr = (L + 1) * CF
+    ROW: tl.constexpr = (3 * L + 1) * CF
+    LG: tl.constexpr = L * CF
+    WIDTH: tl.constexpr = 2 * LG if M1_BLOCK else M0
+    COL0: tl.constexpr = M0 if M1_BLOCK else 0
+    fid = tl.program_id(1).to(tl.int64)
+    n_focus = tl.num_programs(1)
+    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, WIDTH, BLOCK_M, BLOCK_N)
+
+    u_rows = u_ptr + (fid * n_edge + rows) * ROW + COL0
+    w_off = (layer * n_focus + fid) * WIDTH * WIDTH
+    acc = _tile_matmul(
+        u_rows, row_mask, w_ptr + w_off, w_lo_ptr + w_off, cols, col_mask,
+        WIDTH, WIDTH, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+    )  # fmt: skip
+    mask = row_mask[:, None] & col_mask[None, :]
+    u_tile = tl.load(u_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    if FINAL:
+        result = u_tile + acc
+        if APPLY_ALPHA:
+            a = tl.load(alpha_ptr + rows * n_focus + fid, mask=row_mask, other=0.0)
+            result = result * a[:, None]
+        out_rows = out_ptr + (rows * n_focus + fid) * ROW + COL0
+        tl.store(out_rows[:, None] + cols[None, :], result, mask=mask)
+    else:
+        z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW + COL0
+        tl.store(z_rows[:, None] + cols[None, :], acc, mask=mask)
+        out_rows = out_ptr + (fid * n_edge + rows) * ROW + COL0
+        if M1_BLOCK:
+            gate_cols = cols % LG
+            sig_rows = sig_ptr + (fid * n_edge + rows) * LG
+            gate = tl.load(sig_rows[:, None] + gate_cols[None, :], mask=mask, other=0.0)
+            tl.store(out_rows[:, None] + cols[None, :], u_tile + acc * gate, mask=mask)
+        else:
+            # Scalar rows need no gate: SiLU lands here; the gate kernel fills the l>=1 m=0 rows.
+            scalar_mask = mask & (cols < CF)[None, :]
+            silu = acc * tl.sigmoid(acc)
+            tl.store(out_rows[:, None] + cols[None, :], u_tile + silu, mask=scalar_mask)
+
+
+@triton.jit
+def gate_fwd_kernel(
+    z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
+    gw_ptr,  # (NG, F, CF, LG) gate projections (fp16 head when FAST)
+    gw_lo_ptr,
+    res_ptr,  # (F, E, ROW) residual added to the activation (HAS_RES)
+    sig_ptr,  # (F, E, LG) gates out (STORE_SIG)
+    out_ptr,  # (F, E, ROW)
+    n_edge,
+    layer,
+    L: tl.constexpr,
+    CF: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    ALL_ROWS: tl.constexpr,
+    STORE_SIG: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Gates ``σ = sigmoid(z_scalar @ gw)`` and the gated rows ``res + z·σ``.
+
+    The stack (``ALL_ROWS=False``) finishes the l>=1 m=0 rows and leaves σ for the |m|=1 GEMM
+    epilogue; the standalone activation (``ALL_ROWS=True``) also writes the |m|=1 rows and the
+    SiLU scalar rows (from the programs of the first column tile).
+    """
+    ROW: tl.constexpr = (3 * L + 1) * CF
+    LG: tl.constexpr = L * CF
+    CP: tl.constexpr = triton.next_power_of_2(CF)
+    fid = tl.program_id(1).to(tl.int64)
+    n_focus = tl.num_programs(1)
+    rows, row_mask, cols, col_mask, pid_n = _tile_coords(n_edge, LG, BLOCK_M, BLOCK_N)
+
+    z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW
+    g_off = (layer * n_focus + fid) * CF * LG
+    logit = _tile_matmul(
+        z_rows, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
+        CF, LG, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+    )  # fmt: skip
+    gate = tl.sigmoid(logit)
+    mask = row_mask[:, None] & col_mask[None, :]
+    act_rows = (fid * n_edge + rows) * ROW
+    if STORE_SIG:
+        sig_rows = sig_ptr + (fid * n_edge + rows) * LG
+        tl.store(sig_rows[:, None] + cols[None, :], gate, mask=mask)
+    n_gated_rows: tl.constexpr = 3 if ALL_ROWS else 1
+    for r in tl.static_range(n_gated_rows):
+        col = CF + r * LG + cols
+        z_tile = tl.load(z_rows[:, None] + col[None, :], mask=mask, other=0.0)
+        value = z_tile * gate
+        if HAS_RES:
+            value += tl.load(res_ptr + act_rows[:, None] + col[None, :], mask=mask, other=0.0)
+        tl.store(out_ptr + act_rows[:, None] + col[None, :], value, mask=mask)
+    if ALL_ROWS:  # noqa: SIM102  (constexpr branch around a runtime one)
+        if pid_n == 0:
+            sc = tl.arange(0, CP)
+            s_mask = row_mask[:, None] & (sc < CF)[None, :]
+            s = tl.load(z_rows[:, None] + sc[None, :], mask=s_mask, other=0.0)
+            silu = s * tl.sigmoid(s)
+            if HAS_RES:
+                silu += tl.load(res_ptr + act_rows[:, None] + sc[None, :], mask=s_mask, other=0.0)
+            tl.store(out_ptr + act_rows[:, None] + sc[None, :], silu, mask=s_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: backward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def gate_bwd_kernel(
+    z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
+    gw_ptr,  # (NG, F, CF, LG) (fp16 head when FAST)
+    gw_lo_ptr,
+    g_ptr,  # (F, E, ROW) cotangent of the activation output
+    gz_ptr,  # (F, E, ROW) out: cotangent of z, gated rows
+    q_ptr,  # (F, E, LG) out: cotangent of the gate logits
+    unext_ptr,  # (F, E, ROW) layer output (RECOVER)
+    uprev_ptr,  # (F, E, ROW) out: recovered layer input, gated rows (RECOVER)
+    n_edge,
+    layer,
+    L: tl.constexpr,
+    CF: tl.constexpr,
+    RECOVER: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Gated-row backward: recompute σ, ``gz_r = g_r·σ``, ``q = Σ_r g_r z_r · σ(1-σ)``.
+
+    With ``RECOVER`` it also walks the residual back, ``u_prev = u_next - z·σ`` on the gated rows.
+    """
+    ROW: tl.constexpr = (3 * L + 1) * CF
+    LG: tl.constexpr = L * CF
+    fid = tl.program_id(1).to(tl.int64)
+    n_focus = tl.num_programs(1)
+    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, LG, BLOCK_M, BLOCK_N)
+
+    z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW
+    g_off = (layer * n_focus + fid) * CF * LG
+    logit = _tile_matmul(
+        z_rows, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
+        CF, LG, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+    )  # fmt: skip
+    gate = tl.sigmoid(logit)
+    mask = row_mask[:, None] & col_mask[None, :]
+    act_rows = (fid * n_edge + rows) * ROW
+    dot_gz = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in tl.static_range(3):
+        col = CF + r * LG + cols
+        z_tile = tl.load(z_rows[:, None] + col[None, :], mask=mask, other=0.0)
+        g_tile = tl.load(g_ptr + act_rows[:, None] + col[None, :], mask=mask, other=0.0)
+        tl.store(gz_ptr + act_rows[:, None] + col[None, :], g_tile * gate, mask=mask)
+        dot_gz += g_tile * z_tile
+        if RECOVER:
+            u_tile = tl.load(unext_ptr + act_rows[:, None] + col[None, :], mask=mask, other=0.0)
+            tl.store(
+                uprev_ptr + act_rows[:, None] + col[None, :], u_tile - z_tile * gate, mask=mask
+            )
+    q_rows = q_ptr + (fid * n_edge + rows) * LG
+    tl.store(q_rows[:, None] + cols[None, :], dot_gz * gate * (1.0 - gate), mask=mask)
+
+
+@triton.jit
+def scalar_bwd_kernel(
+    q_ptr,  # (F, E, LG) gate-logit cotangent
+    gwt_ptr,  # (NG, F, LG, CF) transposed gate projections (fp16 head when FAST)
+    gwt_lo_ptr,
+    z_ptr,  # (NG, F, E, ROW) pre-activations
+    g_ptr,  # (F, E, ROW) cotangent of the activation output
+    gz_ptr,  # (F, E, ROW) out: cotangent of z, scalar rows
+    unext_ptr,  # (F, E, ROW) layer output (RECOVER)
+    uprev_ptr,  # (F, E, ROW) out: recovered layer input, scalar rows (RECOVER)
+    n_edge,
+    layer,
+    L: tl.constexpr,
+    CF: tl.constexpr,
+    RECOVER: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Scalar-row backward ``gz_s = g_s·silu'(s) + q @ gwᵀ``; ``u_prev = u_next - silu(s)``."""
+    ROW: tl.constexpr = (3 * L + 1) * CF
+    LG: tl.constexpr = L * CF
+    fid = tl.program_id(1).to(tl.int64)
+    n_focus = tl.num_programs(1)
+    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, CF, BLOCK_M, BLOCK_N)
+
+    q_rows = q_ptr + (fid * n_edge + rows) * LG
+    g_off = (layer * n_focus + fid) * LG * CF
+    acc = _tile_matmul(
+        q_rows, row_mask, gwt_ptr + g_off, gwt_lo_ptr + g_off, cols, col_mask,
+        LG, CF, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+    )  # fmt: skip
+    mask = row_mask[:, None] & col_mask[None, :]
+    z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW
+    act_rows = (fid * n_edge + rows) * ROW
+    s = tl.load(z_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    g_tile = tl.load(g_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    phi = tl.sigmoid(s)
+    grad = g_tile * phi * (1.0 + s * (1.0 - phi)) + acc
+    tl.store(gz_ptr + act_rows[:, None] + cols[None, :], grad, mask=mask)
+    if RECOVER:
+        u_tile = tl.load(unext_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        tl.store(uprev_ptr + act_rows[:, None] + cols[None, :], u_tile - s * phi, mask=mask)
+
+
+@triton.jit
+def block_bwd_kernel(
+    a_ptr,  # (F, E, ROW) pre-activation cotangent; (E, F, ROW) output cotangent when FINAL
+    wt_ptr,  # (NL, F, W, W) transposed block weights (fp16 head when FAST)
+    wt_lo_ptr,
+    res_ptr,  # (F, E, ROW) cotangent of the layer output (not read when FINAL)
+    alpha_ptr,  # (E, F)
+    out_ptr,  # (F, E, ROW) out: cotangent of the layer input
+    n_edge,
+    layer,
+    L: tl.constexpr,
+    CF: tl.constexpr,
+    M1_BLOCK: tl.constexpr,
+    FINAL: tl.constexpr,
+    APPLY_ALPHA: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Residual backward of one block: ``g_in = g_out + gz @ Wᵀ``.
+
+    For the final identity layer (``FINAL``) ``gz = g_out = alpha·grad`` is read edge-major and
+    alpha is applied after the product: ``g_in = alpha·(grad + grad @ Wᵀ)``.
+    """
+    M0: tl.constexpr = (L + 1) * CF
+    ROW: tl.constexpr = (3 * L + 1) * CF
+    LG: tl.constexpr = L * CF
+    WIDTH: tl.constexpr = 2 * LG if M1_BLOCK else M0
+    COL0: tl.constexpr = M0 if M1_BLOCK else 0
+    fid = tl.program_id(1).to(tl.int64)
+    n_focus = tl.num_programs(1)
+    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, WIDTH, BLOCK_M, BLOCK_N)
+
+    if FINAL:
+        a_rows = a_ptr + (rows * n_focus + fid) * ROW + COL0
+    else:
+        a_rows = a_ptr + (fid * n_edge + rows) * ROW + COL0
+    w_off = (layer * n_focus + fid) * WIDTH * WIDTH
+    acc = _tile_matmul(
+        a_rows, row_mask, wt_ptr + w_off, wt_lo_ptr + w_off, cols, col_mask,
+        WIDTH, WIDTH, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+    )  # fmt: skip
+    mask = row_mask[:, None] & col_mask[None, :]
+    act_rows = (fid * n_edge + rows) * ROW + COL0
+    if FINAL:
+        result = tl.load(a_rows[:, None] + cols[None, :], mask=mask, other=0.0) + acc
+        if APPLY_ALPHA:
+            a = tl.load(alpha_ptr + rows * n_focus + fid, mask=row_mask, other=0.0)
+            result = result * a[:, None]
+    else:
+        result = tl.load(res_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0) + acc
+    tl.store(out_ptr + act_rows[:, None] + cols[None, :], result, mask=mask)

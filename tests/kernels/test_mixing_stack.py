@@ -1,0 +1,376 @@
+"""so2kernels.so2_mixing_stack: fused op vs eager reference (values, gradients, second order)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  (fixture)
+
+from so2kernels._dispatch import UnsupportedInputError
+from so2kernels.mixing_stack import mixing_stack_reference, so2_mixing_stack
+from so2kernels.mixing_stack_backward import mixing_stack_backward
+from so2kernels.mixing_stack_fast import measure_stack_error
+
+Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+# (lmax, focus_dim, n_focus, n_edge, n_layers, apply_alpha)
+CASES = [
+    (1, 32, 1, 1, 2, True),
+    (2, 32, 2, 7, 3, True),
+    (2, 96, 1, 5, 2, False),
+    (3, 64, 3, 7, 4, True),
+    (2, 128, 1, 9, 3, True),
+    (1, 64, 2, 33, 3, False),
+    (6, 32, 1, 3, 2, True),
+    (2, 32, 1, 5, 1, True),
+]
+
+
+def make_operands(
+    lmax: int,
+    focus_dim: int,
+    n_focus: int,
+    n_edge: int,
+    n_layers: int,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> Operands:
+    """Random operands at model-like scales (unit activations, 1/sqrt(fan-in) weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    m0, m1, gate = (lmax + 1) * focus_dim, 2 * lmax * focus_dim, lmax * focus_dim
+    u0 = torch.randn(n_focus, n_edge, m0 + m1, generator=gen)
+    logits = torch.randn(n_edge, n_focus, generator=gen)
+    alpha = 0.98 * torch.softmax(logits, dim=1) + 0.02 / n_focus
+    w0 = torch.randn(n_layers, n_focus, m0, m0, generator=gen) / math.sqrt(m0)
+    w1 = torch.randn(n_layers, n_focus, m1, m1, generator=gen) / math.sqrt(m1)
+    gw = torch.randn(n_layers - 1, n_focus, focus_dim, gate, generator=gen) / math.sqrt(focus_dim)
+    return tuple(t.to(device) for t in (u0, alpha, w0, w1, gw))  # type: ignore[return-value]
+
+
+def _double(ops: Operands, grad_mask: tuple[bool, ...]) -> list[torch.Tensor]:
+    return [t.detach().double().requires_grad_(m) for t, m in zip(ops, grad_mask, strict=True)]
+
+
+def _float(ops: Operands, grad_mask: tuple[bool, ...]) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_(m) for t, m in zip(ops, grad_mask, strict=True)]
+
+
+ALL_GRADS = (True, True, True, True, True)
+FORCE_GRADS = (True, True, False, False, False)
+
+
+@pytest.mark.parametrize(
+    ("lmax", "focus_dim", "n_focus", "n_edge", "n_layers", "apply_alpha"), CASES
+)
+def test_forward_and_gradients(
+    poisoned_alloc: None,  # noqa: F811
+    lmax: int,
+    focus_dim: int,
+    n_focus: int,
+    n_edge: int,
+    n_layers: int,
+    apply_alpha: bool,
+) -> None:
+    ops = make_operands(lmax, focus_dim, n_focus, n_edge, n_layers)
+    mask = ALL_GRADS if n_layers > 1 else (True, True, True, True, False)
+    got_in, ref_in = _float(ops, mask), _double(ops, mask)
+    got = so2_mixing_stack(*got_in, lmax, focus_dim, apply_alpha)
+    ref = mixing_stack_reference(*ref_in, lmax, focus_dim, apply_alpha)
+    for g, r in zip(got, ref, strict=True):
+        assert_normwise_close(g, r, 1e-6)
+
+    grad_out = torch.randn_like(got[0])
+    wrt = [
+        t for t, m in zip(got_in, mask, strict=True) if m and (apply_alpha or t is not got_in[1])
+    ]
+    wrt_ref = [
+        t for t, m in zip(ref_in, mask, strict=True) if m and (apply_alpha or t is not ref_in[1])
+    ]
+    got_grads = torch.autograd.grad(got[0], wrt, grad_out)
+    ref_grads = torch.autograd.grad(ref[0], wrt_ref, grad_out.double())
+    for g, r in zip(got_grads, ref_grads, strict=True):
+        assert_normwise_close(g, r, 2e-6)
+
+
+@pytest.mark.parametrize(
+    ("lmax", "focus_dim", "n_focus", "n_layers"), [(2, 32, 2, 3), (1, 96, 1, 2)]
+)
+def test_force_path_gradients(
+    poisoned_alloc: None,  # noqa: F811
+    lmax: int,
+    focus_dim: int,
+    n_focus: int,
+    n_layers: int,
+) -> None:
+    """Inference backward (no weight gradients), including cotangents on z_all and u_final."""
+    ops = make_operands(lmax, focus_dim, n_focus, 7, n_layers, seed=3)
+    got_in, ref_in = _float(ops, FORCE_GRADS), _double(ops, FORCE_GRADS)
+    got = so2_mixing_stack(*got_in, lmax, focus_dim, True)
+    ref = mixing_stack_reference(*ref_in, lmax, focus_dim, True)
+    cotangents = [torch.randn_like(t) for t in got]
+
+    def loss(outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return sum((o * c.to(o.dtype)).sum() for o, c in zip(outs, cotangents, strict=True))  # type: ignore[return-value]
+
+    got_grads = torch.autograd.grad(loss(got), got_in[:2])
+    ref_grads = torch.autograd.grad(loss(ref), ref_in[:2])
+    for g, r in zip(got_grads, ref_grads, strict=True):
+        assert_normwise_close(g, r, 2e-6)
+
+
+@pytest.mark.parametrize(
+    ("lmax", "focus_dim", "n_focus", "n_layers", "apply_alpha"),
+    [(2, 32, 2, 3, True), (1, 96, 1, 2, False)],
+)
+def test_second_order_force_loss(
+    lmax: int, focus_dim: int, n_focus: int, n_layers: int, apply_alpha: bool
+) -> None:
+    """Loss on the input gradient (as a force loss is), differentiated to every operand."""
+    ops = make_operands(lmax, focus_dim, n_focus, 5, n_layers, seed=5)
+    grad_out = torch.randn(5, n_focus, ops[0].shape[2])
+    probe = torch.randn_like(ops[0])
+    mask = ALL_GRADS if apply_alpha else (True, False, True, True, True)
+
+    def second(inputs: list[torch.Tensor], fused: bool) -> tuple[torch.Tensor, ...]:
+        fn = so2_mixing_stack if fused else mixing_stack_reference
+        x_local = fn(*inputs, lmax, focus_dim, apply_alpha)[0]  # type: ignore[operator]
+        dtype = x_local.dtype
+        (grad_u0,) = torch.autograd.grad(x_local, inputs[0], grad_out.to(dtype), create_graph=True)
+        wrt = [t for t in inputs if t.requires_grad]
+        return torch.autograd.grad((grad_u0 * probe.to(dtype)).sum(), wrt)
+
+    got = second(_float(ops, mask), True)
+    want = second(_double(ops, mask), False)
+    for g, w in zip(got, want, strict=True):
+        assert_normwise_close(g, w, 3e-6)
+
+
+@pytest.mark.parametrize(("lmax", "focus_dim", "n_focus"), [(2, 32, 2), (3, 96, 1)])
+def test_fast_tier_against_float64(
+    poisoned_alloc: None,  # noqa: F811
+    lmax: int,
+    focus_dim: int,
+    n_focus: int,
+) -> None:
+    """fp16x3 keeps fp32-level accuracy: a few 2^-22 steps per GEMM, never NaN."""
+    ops = make_operands(lmax, focus_dim, n_focus, 9, 3, seed=7)
+    report = measure_stack_error(*ops, lmax, focus_dim, True, "fp16x3")
+    assert not report.non_finite
+    assert report.x_local < 4e-6
+    assert report.grad_u0 < 4e-6
+    assert report.grad_alpha < 4e-6
+    exact = measure_stack_error(*ops, lmax, focus_dim, True, "ieee")
+    assert exact.x_local < 1e-6
+
+
+def test_zero_edges() -> None:
+    ops = _float(make_operands(2, 32, 2, 0, 3), ALL_GRADS)
+    x_local, z_all, u_final = so2_mixing_stack(*ops, 2, 32, True)
+    assert x_local.shape == (0, 2, 224)
+    assert z_all.shape == (2, 2, 0, 224)
+    assert u_final.shape == (2, 0, 224)
+    grads = torch.autograd.grad(x_local.sum(), ops)
+    for g, t in zip(grads, ops, strict=True):
+        assert g.shape == t.shape
+    assert all(bool((g == 0).all()) for g in grads[2:])
+
+
+def test_bad_inputs() -> None:
+    ops = make_operands(2, 32, 1, 3, 2)
+    with pytest.raises(UnsupportedInputError, match="float32"):
+        so2_mixing_stack(*(t.double() for t in ops), 2, 32, True)
+    with pytest.raises(ValueError, match="alpha must have shape"):
+        so2_mixing_stack(ops[0], ops[1].T, *ops[2:], 2, 32, True)
+    with pytest.raises(ValueError, match="u0 must be"):
+        so2_mixing_stack(*ops, 3, 32, True)
+    with pytest.raises(ValueError, match="unknown stack precision"):
+        so2_mixing_stack(*ops, 2, 32, True, "tf32")
+    with pytest.raises(ValueError, match="focus_dim must be"):
+        so2_mixing_stack(*make_operands(1, 16, 1, 3, 2), 1, 16, True)
+
+
+def test_opcheck() -> None:
+    ops = _float(make_operands(1, 32, 2, 5, 2), ALL_GRADS)
+    torch.library.opcheck(
+        torch.ops.so2kernels.so2_mixing_stack.default, (*ops, 1, 32, True, "ieee")
+    )
+    x_local, z_all, u_final = (t.detach() for t in so2_mixing_stack(*ops, 1, 32, True))
+    plain = [t.detach() for t in ops]
+    torch.library.opcheck(
+        torch.ops.so2kernels.so2_mixing_stack_bwd.default,
+        (torch.randn_like(x_local), x_local, z_all, u_final, plain[1], plain[0], *plain[2:],
+         None, None, 1, 32, True, True, "ieee"),
+    )  # fmt: skip
+
+
+def test_compile_aot_eager() -> None:
+    ops = _float(make_operands(1, 32, 1, 5, 2), ALL_GRADS)
+
+    def f(*inputs: torch.Tensor) -> torch.Tensor:
+        return so2_mixing_stack(*inputs, 1, 32, True)[0].square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(*ops), ops)
+    want = torch.autograd.grad(f(*ops), ops)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_backward_op_weight_grads_match_autograd() -> None:
+    """The standalone backward op with weight gradients equals reference autograd."""
+    ops = make_operands(2, 32, 1, 7, 3, seed=11)
+    x_local, z_all, u_final = so2_mixing_stack(*ops, 2, 32, True)
+    grad_out = torch.randn_like(x_local)
+    grads = mixing_stack_backward(
+        grad_out, x_local, z_all, u_final, ops[1], ops[0], *ops[2:], None, None, 2, 32, True, True
+    )
+    ref_in = _double(ops, ALL_GRADS)
+    ref = mixing_stack_reference(*ref_in, 2, 32, True)[0]
+    want = torch.autograd.grad(ref, ref_in, grad_out.double())
+    for g, w in zip(grads, want, strict=True):
+        assert_normwise_close(g, w, 2e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled mode without a GPU: the interpreter accepts code that the compiler rejects (e.g. a
+# variable changing shape inside a runtime branch), so compile every kernel for sm_90 ahead of
+# time. Triton ships ptxas, so this runs on the CPU-only CI.
+# ---------------------------------------------------------------------------------------------
+
+_COMMON_SIG = {"n_edge": "i32", "layer": "i32"}
+_WEIGHTS = {"w", "w_lo", "wt", "wt_lo", "gw", "gw_lo", "gwt", "gwt_lo"}
+"""Operands that are fp16 (head, tail) pairs in the fast tier."""
+_KERNEL_POINTERS = {
+    "block_fwd_kernel": ("u", "w", "w_lo", "z", "sig", "alpha", "out"),
+    "gate_fwd_kernel": ("z", "gw", "gw_lo", "res", "sig", "out"),
+    "gate_bwd_kernel": ("z", "gw", "gw_lo", "g", "gz", "q", "unext", "uprev"),
+    "scalar_bwd_kernel": ("q", "gwt", "gwt_lo", "z", "g", "gz", "unext", "uprev"),
+    "block_bwd_kernel": ("a", "wt", "wt_lo", "res", "alpha", "out"),
+}
+_KERNEL_FLAGS = {
+    "block_fwd_kernel": [
+        {"M1_BLOCK": m1, "FINAL": fin, "APPLY_ALPHA": True} for m1 in (0, 1) for fin in (0, 1)
+    ],
+    "gate_fwd_kernel": [
+        {"HAS_RES": True, "ALL_ROWS": False, "STORE_SIG": True},
+        {"HAS_RES": False, "ALL_ROWS": True, "STORE_SIG": False},
+    ],
+    "gate_bwd_kernel": [{"RECOVER": True}],
+    "scalar_bwd_kernel": [{"RECOVER": True}],
+    "block_bwd_kernel": [
+        {"M1_BLOCK": m1, "FINAL": fin, "APPLY_ALPHA": True} for m1 in (0, 1) for fin in (0, 1)
+    ],
+}
+
+
+def compile_all_for_sm90(fast: bool) -> int:
+    """Compile every kernel variant for sm_90 (run in a process without TRITON_INTERPRET)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from so2kernels import mixing_stack_kernels
+    from so2kernels.mixing_stack_kernels import StackPrecision, fallback_tile
+
+    cfg = fallback_tile(StackPrecision.FAST if fast else StackPrecision.EXACT)
+    weight_dtype = "*fp16" if fast else "*fp32"
+    n_compiled = 0
+    for kernel_name, names in _KERNEL_POINTERS.items():
+        signature = {f"{n}_ptr": weight_dtype if n in _WEIGHTS else "*fp32" for n in names}
+        signature.update(_COMMON_SIG)
+        for flags in _KERNEL_FLAGS[kernel_name]:
+            consts = {
+                "L": 2, "CF": 96, "FAST": fast, **flags,
+                "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            }  # fmt: skip
+            source = ASTSource(
+                fn=getattr(mixing_stack_kernels, kernel_name),
+                signature={**signature, **dict.fromkeys(consts, "constexpr")},
+                constexprs=consts,
+            )
+            options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            assert compiled.asm["cubin"], kernel_name
+            n_compiled += 1
+    return n_compiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fast", [False, True])
+def test_kernels_compile_for_sm90(fast: bool) -> None:
+    here = Path(__file__).resolve()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = (
+        f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here.parents[2])!r}]; "
+        f"import test_mixing_stack as t; print(t.compile_all_for_sm90({fast}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert int(result.stdout.split()[-1]) == 12
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (the lead runs these on the H200)
+# ---------------------------------------------------------------------------------------------
+
+
+def _edge_sample(ops: Operands, edges: torch.Tensor) -> Operands:
+    u0, alpha, w0, w1, gw = ops
+    return u0[:, edges], alpha[edges], w0, w1, gw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
+@pytest.mark.parametrize(("lmax", "focus_dim", "n_focus"), [(2, 128, 1), (3, 64, 2), (2, 96, 1)])
+def test_gpu_realistic_size(precision: str, lmax: int, focus_dim: int, n_focus: int) -> None:
+    """E = 1e5: values and force-path gradients vs fp64 on sampled edges; no NaN anywhere.
+
+    The stack acts on every edge independently, so the fp64 reference on a sample of edges is
+    the exact ground truth for those edges.
+    """
+    n_edge = 100_003
+    ops = make_operands(lmax, focus_dim, n_focus, n_edge, 3, seed=13, device="cuda")
+    inputs = _float(ops, FORCE_GRADS)
+    x_local, z_all, u_final = so2_mixing_stack(*inputs, lmax, focus_dim, True, precision)
+    grad_out = torch.randn_like(x_local)
+    grad_u0, grad_alpha = torch.autograd.grad(x_local, inputs[:2], grad_out)
+    for t in (x_local, z_all, u_final, grad_u0, grad_alpha):
+        assert bool(torch.isfinite(t).all())
+    edges = torch.cat(
+        [torch.arange(0, 64), torch.randint(0, n_edge, (512,)), torch.arange(n_edge - 64, n_edge)]
+    ).cuda()
+    ref_in = _double(_edge_sample(ops, edges), FORCE_GRADS)
+    ref = mixing_stack_reference(*ref_in, lmax, focus_dim, True)
+    ref_grads = torch.autograd.grad(ref[0], ref_in[:2], grad_out[edges].double())
+    tol = 4e-6 if precision == "fp16x3" else 1e-6
+    assert_normwise_close(x_local[edges], ref[0], tol)
+    assert_normwise_close(u_final[:, edges], ref[2], tol)
+    assert_normwise_close(grad_u0[:, edges], ref_grads[0], 2 * tol)
+    assert_normwise_close(grad_alpha[edges], ref_grads[1], 2 * tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_int64_offsets() -> None:
+    """F·E·ROW beyond 2^31 elements: the last edges must still be right (int64 offsets)."""
+    lmax, focus_dim, n_focus = 2, 128, 1
+    row = (3 * lmax + 1) * focus_dim
+    n_edge = (2**31) // row + 4097
+    ops = make_operands(lmax, focus_dim, n_focus, 8, 2, seed=17, device="cuda")
+    u0 = torch.randn(n_focus, n_edge, row, device="cuda")
+    alpha = torch.rand(n_edge, n_focus, device="cuda") + 0.02
+    x_local, _, _ = so2_mixing_stack(u0, alpha, *ops[2:], lmax, focus_dim, True)
+    edges = torch.arange(n_edge - 256, n_edge, device="cuda")
+    ref = mixing_stack_reference(
+        u0[:, edges].double(), alpha[edges].double(), *(t.double() for t in ops[2:]),
+        lmax, focus_dim, True,
+    )[0]  # fmt: skip
+    assert_normwise_close(x_local[edges], ref, 1e-6)
