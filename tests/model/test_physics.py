@@ -123,11 +123,14 @@ def test_invariances(model, name: str) -> None:  # type: ignore[no-untyped-def]
         moved.set_cell(atoms.cell.array @ rot.T, scale_atoms=False)
     out = _predict(pot, moved)
     assert abs(float(out.energy[0]) - e0) <= 1e-6 * abs(e0)
-    np.testing.assert_allclose(out.forces.numpy(), f0 @ rot.T, atol=1e-5)
+    # fp32 forces of this random model reach ~20 eV/Å: compare relative to that scale
+    # (in fp64 the same check holds to 1e-13).
+    f_scale = float(np.abs(f0).max())
+    np.testing.assert_allclose(out.forces.numpy(), f0 @ rot.T, atol=1e-5 * f_scale)
     perm = np.random.default_rng(1).permutation(len(atoms))
     out = _predict(pot, atoms[perm])
     assert abs(float(out.energy[0]) - e0) <= 1e-6 * abs(e0)
-    np.testing.assert_allclose(out.forces.numpy(), f0[perm], atol=1e-5)
+    np.testing.assert_allclose(out.forces.numpy(), f0[perm], atol=1e-5 * f_scale)
     if atoms.pbc.all():
         wrapped = atoms.copy()
         wrapped.positions += np.array([1, -2, 1]) @ atoms.cell.array

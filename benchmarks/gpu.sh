@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
+# raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
+#   benchmarks/gpu.sh kernels|graph|model|service|train [extra args for the topic's step]
+# Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
+# packages the GPU image lacks).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+topic=${1:?topic}; shift || true
+out=${OUT:-/tmp/so2serve_out}; mkdir -p "$out" benchmarks/results
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+log="$out/$topic.log"
+# Each step is time-boxed (STEP_S seconds) and results are packed after every step, so a call
+# that hits the device's wall-clock limit still returns what finished.
+pack() { tar czf "$out/results.tgz" benchmarks/results so2kernels/tables runs 2>/dev/null || true; }
+run() {
+  echo "+ $*" | tee -a "$log"
+  timeout --signal=INT "${STEP_S:-300}" "$@" 2>&1 | tee -a "$log"
+  pack
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$log"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$log"
+case "$topic" in
+  kernels)
+    run python3 -m pytest -q -m "gpu and not slow" tests/kernels -x
+    run python3 benchmarks/sweep_tiles.py --keys 128,2,1,1 128,3,1,1 128,2,2,1 256,3,2,2 --edges 500000
+    run python3 benchmarks/kernels_mixing_stack.py --cases bar --sweep --sweep-cases bar
+    run python3 benchmarks/kernels_rotate_mix.py --cases 128,2,1,1 128,3,1,1 128,2,2,1 128,3,2,2 256,2,2,1 256,3,2,2 "$@"
+    ;;
+  kernels-grid)
+    run python3 benchmarks/kernels_mixing_stack.py --cases all --no-compile "$@"
+    ;;
+  graph)
+    run python3 -m pytest -q -m gpu tests/graph
+    run python3 benchmarks/graph.py "$@"
+    ;;
+  model)
+    run python3 -m pytest -q -m gpu tests/model
+    run python3 benchmarks/model.py "$@"
+    ;;
+  service)
+    run python3 -m pytest -q -m gpu tests/service tests/clients
+    run python3 benchmarks/service.py "$@"
+    ;;
+  train)
+    run python3 -m service.cli train "$@"
+    ;;
+  *) echo "unknown topic $topic"; exit 2 ;;
+esac

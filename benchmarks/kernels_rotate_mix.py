@@ -1,0 +1,195 @@
+"""GPU benchmark of so2_rotate_mix: fused vs eager reference vs torch.compile(reference).
+
+For C_wide 128/256, lmax 2/3, F 1/2, rank 1/2 at E edges (default 1M, ~64 edges per node):
+forward and forward+backward time (median of CUDA-event timings), effective GB/s of the fused
+kernels against a minimal-traffic model, peak memory above the inputs, and the fused error
+against a float64 reference on the first edges. Writes one JSON under benchmarks/results/.
+
+    python benchmarks/kernels_rotate_mix.py                      # full grid, E = 1M
+    python benchmarks/kernels_rotate_mix.py --edges 200000 --cases 128,2,1,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from so2kernels._layout import SUPPORTED_FOCUS_DIMS, n_coeff, n_kernel_slots, n_reduced
+from so2kernels.rotate_mix import rotate_mix, rotate_mix_reference
+from so2kernels.segment import csr_from_index
+
+H200_HBM_GBPS = 4800.0
+"""H200 SXM peak HBM3e bandwidth."""
+
+Operands = tuple[Any, ...]
+
+
+def make_operands(c_wide: int, lmax: int, n_focus: int, rank: int, n_edge: int,
+                  n_node: int) -> Operands:  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dim = n_coeff(lmax)
+    x = torch.randn(n_node, dim, c_wide, device="cuda", generator=gen)
+    src = torch.randint(0, n_node, (n_edge,), device="cuda", generator=gen)
+    order, row_ptr = csr_from_index(src, n_node)
+    wigner = torch.randn(n_edge, dim, dim, device="cuda", generator=gen) * 0.5
+    kc = torch.randn(n_edge, n_kernel_slots(lmax) * rank, device="cuda", generator=gen) * 0.5
+    cb = torch.randn(rank, c_wide, device="cuda", generator=gen)
+    return (x, src, order, row_ptr, wigner, kc, cb, lmax, n_focus, rank)
+
+
+def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(stop))
+    return statistics.median(samples)
+
+
+def peak_mb(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def traffic_bytes(c_wide: int, lmax: int, rank: int, n_edge: int, n_node: int) -> dict[str, int]:
+    """Minimal HBM traffic: node rows once, Wigner structural rows, kernel, output (fp32)."""
+    dim, red = n_coeff(lmax), n_reduced(lmax)
+    structural = 3 * dim - 2
+    per_edge_in = structural + n_kernel_slots(lmax) * rank
+    fwd = 4 * (n_node * dim * c_wide + n_edge * (per_edge_in + red * c_wide))
+    # Backward: read grad_u, x, W, kc; write grad_x, grad W (full zero-filled block), grad kc.
+    bwd = 4 * (
+        n_edge * (red * c_wide + per_edge_in + dim * dim + n_kernel_slots(lmax) * rank)
+        + 2 * n_node * dim * c_wide
+    )
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def run_case(
+    c_wide: int, lmax: int, n_focus: int, rank: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"c_wide": c_wide, "lmax": lmax, "n_focus": n_focus, "rank": rank,
+                           "n_edge": args.edges, "n_node": args.edges // args.degree}  # fmt: skip
+    focus_dim = c_wide // n_focus
+    if focus_dim not in SUPPORTED_FOCUS_DIMS:
+        row["skipped"] = f"focus_dim {focus_dim} outside the fused regime {SUPPORTED_FOCUS_DIMS}"
+        return row
+    ops = make_operands(c_wide, lmax, n_focus, rank, args.edges, row["n_node"])
+    leaves = [ops[0], ops[4], ops[5], ops[6]]
+    for t in leaves:
+        t.requires_grad_(True)
+    compiled_ref = torch.compile(rotate_mix_reference, dynamic=False)
+    impls: dict[str, Callable[..., torch.Tensor]] = {
+        "fused": rotate_mix,
+        "eager": rotate_mix_reference,
+        "compiled": compiled_ref,
+    }
+    grad_u = torch.randn(n_focus, args.edges, n_reduced(lmax) * focus_dim, device="cuda")
+
+    for name, fn in impls.items():
+        try:
+            with torch.no_grad():
+                row[f"{name}_fwd_ms"] = time_ms(lambda fn=fn: fn(*ops), args.warmup, args.iters)
+
+            def fwd_bwd(fn: Callable[..., torch.Tensor] = fn) -> None:
+                torch.autograd.grad(fn(*ops), leaves, grad_u)
+
+            row[f"{name}_fwdbwd_ms"] = time_ms(fwd_bwd, args.warmup, args.iters)
+            row[f"{name}_fwdbwd_peak_mb"] = peak_mb(fwd_bwd)
+        except torch.OutOfMemoryError as err:
+            row[f"{name}_error"] = f"OOM: {str(err)[:120]}"
+            torch.cuda.empty_cache()
+    bytes_moved = traffic_bytes(c_wide, lmax, rank, args.edges, row["n_node"])
+    if "fused_fwd_ms" in row:
+        row["fused_fwd_GBps"] = bytes_moved["fwd"] / row["fused_fwd_ms"] / 1e6
+        bwd_ms = row["fused_fwdbwd_ms"] - row["fused_fwd_ms"]
+        row["fused_bwd_GBps"] = bytes_moved["bwd"] / max(bwd_ms, 1e-6) / 1e6
+        row["fused_fwd_fraction_of_hbm_peak"] = row["fused_fwd_GBps"] / H200_HBM_GBPS
+    for other in ("eager", "compiled"):
+        for phase in ("fwd", "fwdbwd"):
+            if f"{other}_{phase}_ms" in row and f"fused_{phase}_ms" in row:
+                row[f"speedup_{phase}_vs_{other}"] = (
+                    row[f"{other}_{phase}_ms"] / row[f"fused_{phase}_ms"]
+                )
+    row["fused_max_rel_err_vs_fp64"] = fused_error(ops)
+    return row
+
+
+def fused_error(ops: Operands, n_check: int = 20_000) -> float:
+    """Normwise error of the fused forward against float64 on the first n_check edges."""
+    x, src, _, _, wigner, kc, cb, lmax, n_focus, rank = ops
+    sub_src = src[:n_check]
+    order, row_ptr = csr_from_index(sub_src, x.shape[0])
+    with torch.no_grad():
+        got = rotate_mix(x, sub_src, order, row_ptr, wigner[:n_check], kc[:n_check], cb, lmax,
+                         n_focus, rank)  # fmt: skip
+        want = rotate_mix_reference(
+            x.double(), sub_src, order, row_ptr, wigner[:n_check].double(),
+            kc[:n_check].double(), cb.double(), lmax, n_focus, rank,
+        )  # fmt: skip
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--edges", type=int, default=1_000_000)
+    parser.add_argument("--degree", type=int, default=64, help="edges per node")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument(
+        "--cases", nargs="*", default=None, help="c_wide,lmax,n_focus,rank (default: full grid)"
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if args.cases:
+        cases = [tuple(int(v) for v in c.split(",")) for c in args.cases]
+    else:
+        cases = [(cw, lmax, f, r) for cw in (128, 256) for lmax in (2, 3) for f in (1, 2)
+                 for r in (1, 2)]  # fmt: skip
+    rows = []
+    for c_wide, lmax, n_focus, rank in cases:
+        row = run_case(c_wide, lmax, n_focus, rank, args)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    stamp = dt.datetime.now(dt.UTC)
+    report = {
+        "benchmark": "so2_rotate_mix",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": stamp.isoformat(),
+        "command": " ".join(sys.argv),
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"rotate_mix_{stamp.strftime('%Y%m%dT%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

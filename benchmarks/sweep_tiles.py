@@ -1,0 +1,162 @@
+"""Tune the rotate-mix launch tables on the local GPU and write so2kernels/tables/<gpu>.json.
+
+Every candidate (block_e, num_warps) is first validated against the float64 reference on a small
+problem (a candidate that fails to compile or to match is dropped), then timed at the sweep size.
+The forward entry is the fastest candidate. A backward entry is written only when a candidate
+beat the fallback (per-edge, table-free) configuration: entries with block_e > 1 are the
+edge-block variant's win-list.
+
+    python benchmarks/sweep_tiles.py                        # default keys
+    python benchmarks/sweep_tiles.py --keys 128,2,1,1 256,3,2,2 --edges 500000
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from so2kernels._layout import n_coeff, n_kernel_slots, n_reduced
+from so2kernels.rotate_mix import launch_rotate_mix_fwd, rotate_mix_reference
+from so2kernels.rotate_mix_backward import (
+    launch_rotate_mix_bwd,
+    rotate_mix_backward_reference,
+)
+from so2kernels.segment import csr_from_index
+from so2kernels.tiles import (
+    TABLES_DIR,
+    LaunchTiles,
+    device_slug,
+    fallback_tiles,
+    table_key,
+)
+
+FWD_CANDIDATES = [LaunchTiles(b, w) for b in (1, 2, 4, 8) for w in (2, 4, 8)]
+BWD_CANDIDATES = [LaunchTiles(b, w) for b in (1, 2, 4) for w in (4, 8, 16)]
+VALIDATION_REL_TOL = 1e-5
+
+
+def operands(c_wide: int, lmax: int, n_focus: int, rank: int, n_edge: int, n_node: int,
+             dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    dim = n_coeff(lmax)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float64).to(dtype)
+
+    src = torch.randint(0, n_node, (n_edge,), device="cuda", generator=gen)
+    order, row_ptr = csr_from_index(src, n_node)
+    kc = draw(n_edge, n_kernel_slots(lmax) * rank) if rank else draw(n_edge, lmax + 1, c_wide)
+    return (draw(n_node, dim, c_wide), src, order, row_ptr, draw(n_edge, dim, dim), kc,
+            draw(rank, c_wide), lmax, n_focus, rank)  # fmt: skip
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    if want.numel() == 0:
+        return 0.0
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def validate(direction: str, tiles: LaunchTiles, key: tuple[int, int, int, int]) -> bool:
+    c_wide, lmax, n_focus, rank = key
+    ops = operands(c_wide, lmax, n_focus, rank, 3000, 100)
+    ref = tuple(t.double() if torch.is_tensor(t) and t.is_floating_point() else t for t in ops)
+    x, src, order, row_ptr, wigner, kc, cb = ops[:7]
+    try:
+        if direction == "fwd":
+            got = launch_rotate_mix_fwd(x, src, wigner, kc, cb, lmax, n_focus, rank, tiles)
+            return rel_err(got, rotate_mix_reference(*ref)) <= VALIDATION_REL_TOL
+        grad_u = torch.randn(n_focus, 3000, n_reduced(lmax) * (c_wide // n_focus), device="cuda")
+        outs = launch_rotate_mix_bwd(grad_u, x, order, row_ptr, wigner, kc, cb, lmax, n_focus,
+                                     rank, True, tiles)  # fmt: skip
+        wants = rotate_mix_backward_reference(grad_u.double(), *ref)
+        return all(rel_err(g, w) <= VALIDATION_REL_TOL for g, w in zip(outs, wants, strict=True))
+    except Exception as err:  # a candidate that does not compile or launch is simply dropped
+        print(f"  {direction} {tiles}: failed ({type(err).__name__}: {str(err)[:100]})")
+        return False
+
+
+def time_candidate(direction: str, tiles: LaunchTiles, ops: tuple[Any, ...], grad_u: torch.Tensor,
+                   iters: int) -> float:  # fmt: skip
+    x, src, order, row_ptr, wigner, kc, cb, lmax, n_focus, rank = ops
+
+    def run() -> object:
+        if direction == "fwd":
+            return launch_rotate_mix_fwd(x, src, wigner, kc, cb, lmax, n_focus, rank, tiles)
+        return launch_rotate_mix_bwd(grad_u, x, order, row_ptr, wigner, kc, cb, lmax, n_focus,
+                                     rank, False, tiles)  # fmt: skip
+
+    for _ in range(2):
+        run()
+    samples = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        stop.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(stop))
+    return statistics.median(samples)
+
+
+def sweep_key(key: tuple[int, int, int, int], args: argparse.Namespace) -> dict[str, Any]:
+    c_wide, lmax, n_focus, rank = key
+    ops = operands(c_wide, lmax, n_focus, rank, args.edges, args.edges // args.degree)
+    grad_u = torch.randn(n_focus, args.edges, n_reduced(lmax) * (c_wide // n_focus), device="cuda")
+    result: dict[str, Any] = {}
+    for direction, candidates in (("fwd", FWD_CANDIDATES), ("bwd", BWD_CANDIDATES)):
+        fallback = fallback_tiles(direction, c_wide, lmax)  # type: ignore[arg-type]
+        timings: dict[LaunchTiles, float] = {}
+        for tiles in dict.fromkeys([fallback, *candidates]):
+            if validate(direction, tiles, key):
+                timings[tiles] = time_candidate(direction, tiles, ops, grad_u, args.iters)
+                print(f"  {direction} {tiles}: {timings[tiles]:.3f} ms", flush=True)
+        if not timings:
+            continue
+        best = min(timings, key=timings.__getitem__)
+        entry = {"block_e": best.block_e, "num_warps": best.num_warps, "ms": timings[best],
+                 "fallback_ms": timings.get(fallback)}  # fmt: skip
+        if direction == "fwd" or best != fallback:
+            result[direction] = entry
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--keys", nargs="*", default=["128,2,1,1", "128,2,2,1", "128,3,2,2",
+                        "256,2,2,1", "256,3,2,2"], help="c_wide,lmax,n_focus,rank")  # fmt: skip
+    parser.add_argument("--edges", type=int, default=500_000)
+    parser.add_argument("--degree", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tables", type=Path, default=TABLES_DIR)
+    args = parser.parse_args()
+    gpu = torch.cuda.get_device_name()
+    path = args.tables / f"{device_slug(gpu)}.json"
+    table: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    stamp = dt.datetime.now(dt.UTC).isoformat()
+    table.update({"device": gpu, "torch": torch.__version__, "triton": triton.__version__,
+                  "date": stamp, "command": " ".join(sys.argv)})  # fmt: skip
+    for text in args.keys:
+        key = tuple(int(v) for v in text.split(","))
+        assert len(key) == 4, f"bad key {text!r}: want c_wide,lmax,n_focus,rank"
+        print(f"key {key}", flush=True)
+        for direction, entry in sweep_key(key, args).items():  # type: ignore[arg-type]
+            table.setdefault(f"rotate_mix_{direction}", {})[table_key(key[0], key[1], key[3])] = (
+                entry
+            )
+    args.tables.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

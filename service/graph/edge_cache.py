@@ -1,0 +1,118 @@
+"""The edge cache: every per-edge geometric quantity the model needs, built once per evaluation.
+
+Input is the edge-vector autograd leaf (float64, from :func:`service.graph.neighbors.edge_vectors`,
+detached by the caller); everything here is computed in the compute dtype (fp32 by default, as
+in the reference) and stays differentiable, so forces flow back to ``edge_vec`` through the
+lengths, envelopes and the Wigner-D alike (model-dpa4.md §2.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from service.graph.neighbors import Graph
+from service.graph.radial import c3_envelope
+from service.graph.segments import csr_segment_sum
+from service.graph.wigner import edge_quaternion, wigner_d
+
+
+@dataclass
+class EdgeCache:
+    """Per-edge geometry of one evaluation (E edges, N atoms, ``D = (lmax+1)²``).
+
+    Attributes:
+        vec: (E, 3) edge vectors in the compute dtype.
+        length: (E,) ``sqrt(|r|² + eps²)``.
+        env: (E,) ``E_p(r/rcut)`` with the message exponent (5): message weight.
+        env_rbf: (E,) ``E_p(r/rcut)`` with the radial exponent (7): multiplies the radial basis
+            (the model owns the trainable-frequency basis itself).
+        quat: (E, 4) global→local quaternion (w, x, y, z), r̂ → +z.
+        wigner: (E, D, D) block-diagonal real Wigner-D, contiguous.
+        deg: (N,) ``Σ_{dst=i} env²``.
+        inv_sqrt_deg: (N,) ``rsqrt(deg + deg_floor)``.
+        graph: the topology (src/dst, CSRs, batch indices).
+        rcut, lmax, eps: the parameters used.
+    """
+
+    vec: Tensor
+    length: Tensor
+    env: Tensor
+    env_rbf: Tensor
+    quat: Tensor
+    wigner: Tensor
+    deg: Tensor
+    inv_sqrt_deg: Tensor
+    graph: Graph
+    rcut: float
+    lmax: int
+    eps: float
+
+    def wigner_for(self, lmax: int) -> Tensor:
+        """(E, (L+1)², (L+1)²) leading blocks for a block of degree ``L`` ≤ ``self.lmax``,
+        contiguous (the fused kernels need the block's own size)."""
+        self._check_lmax(lmax)
+        dim = (lmax + 1) ** 2
+        return self.wigner if lmax == self.lmax else self.wigner[:, :dim, :dim].contiguous()
+
+    def reduced_wigner(self, lmax: int | None = None) -> Tensor:
+        """(E, 3L+1, (L+1)²) the rows of ``D`` ever read with mmax = 1, in m-major order
+        (``[m=0: l=0..L | m=−1: l=1..L | m=+1: l=1..L]``, see ``so2kernels._layout``)."""
+        # Imported here: the layout contract lives in so2kernels, whose package import pulls in
+        # every Triton kernel; the graph layer should not pay for that just to be imported.
+        from so2kernels._layout import reduced_to_packed_tensor
+
+        lmax = self.lmax if lmax is None else lmax
+        self._check_lmax(lmax)
+        dim = (lmax + 1) ** 2
+        rows = reduced_to_packed_tensor(lmax, self.wigner.device)
+        return self.wigner[:, :dim, :dim].index_select(1, rows)
+
+    def _check_lmax(self, lmax: int) -> None:
+        if not 0 <= lmax <= self.lmax:
+            raise ValueError(f"the cache holds Wigner-D up to lmax={self.lmax}, asked for {lmax}")
+
+
+def build_edge_cache(
+    graph: Graph,
+    edge_vec: Tensor,
+    *,
+    rcut: float,
+    lmax: int,
+    env_exponents: tuple[int, int] = (7, 5),
+    deg_floor: float = 0.25,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.float32,
+) -> EdgeCache:
+    """Build the cache from the (E, 3) edge vectors of ``graph``.
+
+    Args:
+        env_exponents: ``(radial, message)`` envelope exponents, (7, 5) in the reference.
+        deg_floor: added to the degree before ``rsqrt`` (0.25 for checkpoints ≥ v1.1).
+        eps: regulariser of the length, ``sqrt(|r|² + eps²)``.
+        dtype: compute dtype of every cached tensor (fp32; geometry is never below fp32).
+    """
+    if edge_vec.shape != (graph.n_edges, 3):
+        raise ValueError(f"edge_vec must be ({graph.n_edges}, 3), got {tuple(edge_vec.shape)}")
+    vec = edge_vec.to(dtype)
+    length = torch.sqrt((vec * vec).sum(dim=-1) + eps * eps)
+    rbf_exponent, message_exponent = env_exponents
+    env = c3_envelope(length, rcut, message_exponent)
+    quat = edge_quaternion(vec, length, eps)
+    deg = csr_segment_sum(env * env, graph.dst_rowptr).to(dtype)
+    return EdgeCache(
+        vec=vec,
+        length=length,
+        env=env,
+        env_rbf=c3_envelope(length, rcut, rbf_exponent),
+        quat=quat,
+        wigner=wigner_d(quat, lmax).contiguous(),
+        deg=deg,
+        inv_sqrt_deg=torch.rsqrt(deg + deg_floor),
+        graph=graph,
+        rcut=rcut,
+        lmax=lmax,
+        eps=eps,
+    )

@@ -1,0 +1,479 @@
+"""Backward (first and second order) of ``so2_rotate_mix``.
+
+Layout contract
+---------------
+``so2kernels::so2_rotate_mix_bwd(grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax,
+n_focus, rank, want_cb) -> (grad_x, grad_wigner, grad_kc, grad_cb)``:
+
+* ``grad_u`` (F, E, ROW), any strides (an expanded ``sum()`` cotangent is read in place).
+* ``grad_x`` (N, D, C_wide): per-edge node gradients reduced over the source CSR
+  ``(src_order, src_rowptr)`` in CSR order: deterministic, no atomics.
+* ``grad_wigner`` (E, Dw, Dw): the structural entries the forward reads (rows m' ∈ {-1, 0, +1}
+  of each degree block, that block's columns); every other entry is exactly 0.
+* ``grad_kc`` shaped like ``kc``; ``grad_cb`` (R, C_wide) when ``want_cb`` and rank ≥ 1, else an
+  empty (0,) tensor (the gradient is not formed at all; rank 0 does not read ``cb``).
+
+Fused schedule: one program per node walks that node's outgoing edges (its ``src`` segment) in
+steps of ``block_e`` edges. Per step it recomputes the rotated rows in registers from the node's
+features (nothing per edge is saved by the forward), forms the kernel and Wigner gradients of
+those edges, and adds ``Wᵀ·g_local`` into a register accumulator of the node's gradient. This is
+the CSR segment sum of the per-edge node gradients fused into the producer: the (E, D, C_wide)
+per-edge intermediate is never written, and the summation order is the CSR order.
+``block_e > 1`` is the edge-block variant (reductions over channels batched across edges); the
+tile table's win-list selects it per shape.
+
+Second order: the op is linear in each of (x, wigner, kc, cb) and so is its output in the
+cotangent, so the backward of the backward is a sum of forward and backward launches, each with
+one operand replaced by the incoming cotangent (closed form; no nested autograd).
+"""
+
+# Triton kernels grow register tuples by concatenation: its frontend has no starred unpacking.
+# ruff: noqa: RUF005
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from so2kernels._dispatch import require_fp32, use_triton
+from so2kernels._layout import n_coeff, n_reduced, reduced_to_packed_tensor
+from so2kernels.rotate_mix import (
+    _kernel_edge_stride,
+    _kernel_entry,
+    _load_basis,
+    _mix_by_degree,
+    _mix_low_rank,
+    _rotate_to_local,
+    check_fused_regime,
+    check_rotate_mix_inputs,
+    degree_index,
+    fold_mixing_blocks,
+    from_focus_major,
+    kernel_operands,
+    mixing_blocks,
+    structure_mask,
+    wigner_reduced_rows,
+)
+from so2kernels.segment import segment_sum_reference
+from so2kernels.tiles import LaunchTiles, rotate_mix_tiles
+
+# ---------------------------------------------------------------------------------------------
+# Eager closed-form reference (any dtype)
+# ---------------------------------------------------------------------------------------------
+
+
+def rotate_mix_backward_reference(
+    grad_u: Tensor,
+    x: Tensor,
+    src: Tensor,
+    src_order: Tensor,
+    src_rowptr: Tensor,
+    wigner: Tensor,
+    kc: Tensor,
+    cb: Tensor,
+    lmax: int,
+    n_focus: int,
+    rank: int,
+    want_cb: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(grad_x, grad_wigner, grad_kc, grad_cb)`` of ``<grad_u, rotate_mix(...)>``, closed form."""
+    check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
+    dim, red = n_coeff(lmax), n_reduced(lmax)
+    rows = wigner_reduced_rows(wigner, lmax)  # (E, RED, D)
+    x_src = x.index_select(0, src)  # (E, D, CW)
+    xr = torch.bmm(rows, x_src)  # (E, RED, CW)
+    grad_y = from_focus_major(grad_u, red)  # (E, RED, CW)
+    if rank == 0:
+        degrees = degree_index(lmax, x.device)
+        grad_local = grad_y * kc.index_select(1, degrees)
+        grad_kc = torch.zeros_like(kc).index_add(1, degrees, grad_y * xr)
+    else:
+        blocks = mixing_blocks(kc, lmax, rank)  # (E, RED, RED, R)
+        grad_local = torch.einsum("eior,eoc,rc->eic", blocks, grad_y, cb)
+        grad_blocks = torch.einsum("eoc,eic,rc->eior", grad_y, xr, cb)
+        grad_kc = fold_mixing_blocks(grad_blocks, lmax).reshape(kc.shape)
+    grad_cb = (
+        torch.einsum("eior,eic,eoc->rc", mixing_blocks(kc, lmax, rank), xr, grad_y)
+        if want_cb and rank > 0
+        else cb.new_zeros((0,))
+    )
+    mask = structure_mask(lmax, wigner.device, wigner.dtype)
+    grad_rows = torch.bmm(grad_local, x_src.transpose(1, 2)) * mask  # (E, RED, D)
+    packed = reduced_to_packed_tensor(lmax, wigner.device)
+    grad_block = grad_rows.new_zeros((src.shape[0], dim, dim)).index_copy(1, packed, grad_rows)
+    grad_wigner = torch.zeros_like(wigner, memory_format=torch.contiguous_format)
+    grad_wigner[:, :dim, :dim] = grad_block
+    grad_x_edge = torch.bmm(rows.transpose(1, 2), grad_local)  # (E, D, CW)
+    grad_x = segment_sum_reference(grad_x_edge, src_order, src_rowptr)
+    return grad_x, grad_wigner, grad_kc, grad_cb
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel: one program per node, walking its source segment block_e edges at a time.
+# grad_kc / grad_wigner / grad_x / grad_u are contiguous, so their inner strides are constants.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kernel_grads_by_degree(gy, xr, gkc_edge, chan, tile_mask, L: tl.constexpr,
+                                  CW: tl.constexpr):  # fmt: skip
+    """Rank 0: ``grad kc[e, l, :] = Σ_{rows r of degree l} gy[r] ⊙ xr[r]``."""
+    for l in tl.static_range(L + 1):
+        t = gy[l] * xr[l]
+        if l > 0:
+            t += gy[L + l] * xr[L + l] + gy[2 * L + l] * xr[2 * L + l]
+        tl.store(gkc_edge[:, None] + l * CW + chan[None, :], t, mask=tile_mask)
+
+
+@triton.jit
+def _accumulate_basis_grad(cb_acc, t, kc_edge, e_mask, slot: tl.constexpr, RANK: tl.constexpr):
+    """``cb_acc[r] += Σ_edges kc[e, slot·R + r] · t[e, :]`` for every r."""
+    updated = ()
+    for r in tl.static_range(RANK):
+        k = _kernel_entry(kc_edge, e_mask, slot, r, RANK)
+        updated = updated + (cb_acc[r] + tl.sum(t * k, axis=0),)
+    return updated
+
+
+@triton.jit
+def _store_kernel_grads_low_rank(
+    gy, xr, gkc_edge, kc_edge, e_mask, basis, cb_acc,
+    L: tl.constexpr, RANK: tl.constexpr, WANT_CB: tl.constexpr,
+):  # fmt: skip
+    """Rank R ≥ 1: ``grad kc[e, slot(i, o)·R + r] = Σ_c cb[r, c]·t_io[e, c]`` with
+    ``t_io = gy[o] ⊙ xr[i]`` (summed over the m=-1 and m=+1 copies for the shared |m|=1 slots);
+    the basis gradient ``Σ_e Σ_slot kc[e, slot, r]·t`` is accumulated per program."""
+    n_m0: tl.constexpr = L + 1
+    for i in tl.static_range(n_m0):
+        for o in tl.static_range(n_m0):
+            t = gy[o] * xr[i]
+            for r in tl.static_range(RANK):
+                tl.store(gkc_edge + ((i * n_m0 + o) * RANK + r), tl.sum(t * basis[r], axis=1),
+                         mask=e_mask)  # fmt: skip
+            if WANT_CB:
+                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, e_mask, i * n_m0 + o, RANK)
+    for i in tl.static_range(L):
+        for o in tl.static_range(L):
+            t = gy[n_m0 + o] * xr[n_m0 + i] + gy[n_m0 + L + o] * xr[n_m0 + L + i]
+            for r in tl.static_range(RANK):
+                tl.store(gkc_edge + ((n_m0 * n_m0 + i * L + o) * RANK + r),
+                         tl.sum(t * basis[r], axis=1), mask=e_mask)  # fmt: skip
+            if WANT_CB:
+                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, e_mask,
+                                                n_m0 * n_m0 + i * L + o, RANK)  # fmt: skip
+    return cb_acc
+
+
+@triton.jit
+def _rotation_adjoint(
+    g_local, x_tile, x_mask, w_edge, gw_edge, e_mask, gx_acc,
+    L: tl.constexpr, X_SD: tl.constexpr, W_SR: tl.constexpr, GW_SR: tl.constexpr,
+):  # fmt: skip
+    """Store the Wigner gradient of the structural entries and add ``Wᵀ·g_local`` (summed over
+    the edge block) to the node accumulator, one packed row per tuple entry."""
+    updated = ()
+    for l in tl.static_range(L + 1):
+        centre = l * l + l
+        for j in tl.static_range(2 * l + 1):
+            xv = tl.load(x_tile + (l * l + j) * X_SD, mask=x_mask, other=0.0)
+            w_col = w_edge + (l * l + j)
+            gw_col = gw_edge + (l * l + j)
+            w0 = tl.load(w_col + centre * W_SR, mask=e_mask, other=0.0)
+            contrib = w0[:, None] * g_local[l]
+            tl.store(gw_col + centre * GW_SR, tl.sum(g_local[l] * xv, axis=1), mask=e_mask)
+            if l > 0:
+                g_neg = g_local[L + l]
+                g_pos = g_local[2 * L + l]
+                w_neg = tl.load(w_col + (centre - 1) * W_SR, mask=e_mask, other=0.0)
+                w_pos = tl.load(w_col + (centre + 1) * W_SR, mask=e_mask, other=0.0)
+                contrib += w_neg[:, None] * g_neg + w_pos[:, None] * g_pos
+                tl.store(gw_col + (centre - 1) * GW_SR, tl.sum(g_neg * xv, axis=1), mask=e_mask)
+                tl.store(gw_col + (centre + 1) * GW_SR, tl.sum(g_pos * xv, axis=1), mask=e_mask)
+            # Indexed by the literal expression: Triton does not fold a named index here.
+            updated = updated + (gx_acc[l * l + j] + tl.sum(contrib, axis=0),)
+    return updated
+
+
+@triton.jit
+def _rotate_mix_bwd_kernel(
+    gu_ptr, x_ptr, w_ptr, kc_ptr, cb_ptr, order_ptr, rowptr_ptr,
+    gx_ptr, gw_ptr, gkc_ptr, gcb_ptr,
+    n_edge, x_sn, w_se,
+    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, BC: tl.constexpr,
+    RANK: tl.constexpr, WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr,
+    W_SR: tl.constexpr, GW_SR: tl.constexpr,
+):  # fmt: skip
+    DIM: tl.constexpr = (L + 1) * (L + 1)
+    ROW: tl.constexpr = (3 * L + 1) * CF
+    node = tl.program_id(0).to(tl.int64)
+    chan = tl.arange(0, BC)
+    c_mask = chan < CW
+    first = tl.load(rowptr_ptr + node)
+    stop = tl.load(rowptr_ptr + node + 1)
+    # Every edge of the segment starts at this node: its feature rows are shared, (1, BC).
+    x_tile = x_ptr + node * x_sn + chan[None, :]
+    x_mask = c_mask[None, :]
+    gu_chan = ((chan // CF).to(tl.int64) * n_edge * ROW + chan % CF)[None, :]
+    kc_stride: tl.constexpr = _kernel_edge_stride(L, CW, RANK)
+    basis = _load_basis(cb_ptr, chan, c_mask, RANK, CW)
+    gx_acc = ()
+    for _ in tl.static_range(DIM):
+        gx_acc = gx_acc + (tl.zeros((BC,), dtype=tl.float32),)
+    cb_acc = ()
+    for _ in tl.static_range(RANK if WANT_CB else 0):
+        cb_acc = cb_acc + (tl.zeros((BC,), dtype=tl.float32),)
+
+    for k0 in range(first, stop, BLOCK_E):
+        pos = k0 + tl.arange(0, BLOCK_E)
+        e_mask = pos < stop
+        edges = tl.load(order_ptr + pos, mask=e_mask, other=0)
+        tile_mask = e_mask[:, None] & c_mask[None, :]
+        w_edge = w_ptr + edges * w_se
+        kc_edge = kc_ptr + edges * kc_stride
+        gkc_edge = gkc_ptr + edges * kc_stride
+        xr = _rotate_to_local(x_tile, x_mask, w_edge, e_mask, L, BLOCK_E, BC, CW, W_SR)
+        gu_tile = gu_ptr + gu_chan + (edges * ROW)[:, None]
+        gy = ()
+        for r in tl.static_range(3 * L + 1):
+            gy = gy + (tl.load(gu_tile + r * CF, mask=tile_mask, other=0.0),)
+        if RANK == 0:
+            _store_kernel_grads_by_degree(gy, xr, gkc_edge, chan, tile_mask, L, CW)
+            # The per-degree multiply is diagonal, hence its own adjoint.
+            g_local = _mix_by_degree(gy, kc_edge, chan, tile_mask, L, CW)
+        else:
+            cb_acc = _store_kernel_grads_low_rank(gy, xr, gkc_edge, kc_edge, e_mask, basis,
+                                                  cb_acc, L, RANK, WANT_CB)  # fmt: skip
+            g_local = _mix_low_rank(gy, kc_edge, e_mask, basis, L, RANK, BLOCK_E, BC, True)
+        gw_edge = gw_ptr + edges * (GW_SR * GW_SR)
+        gx_acc = _rotation_adjoint(g_local, x_tile, x_mask, w_edge, gw_edge, e_mask, gx_acc,
+                                   L, CW, W_SR, GW_SR)  # fmt: skip
+
+    gx_node = gx_ptr + node * (DIM * CW) + chan
+    for d in tl.static_range(DIM):
+        tl.store(gx_node + d * CW, gx_acc[d], mask=c_mask)
+    if WANT_CB:
+        gcb_node = gcb_ptr + node * (RANK * CW) + chan
+        for r in tl.static_range(RANK):
+            tl.store(gcb_node + r * CW, cb_acc[r], mask=c_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def launch_rotate_mix_bwd(
+    grad_u: Tensor,
+    x: Tensor,
+    src_order: Tensor,
+    src_rowptr: Tensor,
+    wigner: Tensor,
+    kc: Tensor,
+    cb: Tensor,
+    lmax: int,
+    n_focus: int,
+    rank: int,
+    want_cb: bool,
+    tiles: LaunchTiles,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Run the node-centric backward kernel with explicit tiles."""
+    n_node, dim, c_wide = x.shape
+    want_cb = want_cb and rank > 0
+    grad_x = torch.empty((n_node, dim, c_wide), device=x.device, dtype=x.dtype)
+    # Zero-filled: only the structural entries are written by the kernel.
+    grad_wigner = torch.zeros(wigner.shape, device=wigner.device, dtype=wigner.dtype)
+    grad_kc = torch.empty(kc.shape, device=kc.device, dtype=kc.dtype)
+    partial_cb = torch.empty(
+        (n_node, rank, c_wide) if want_cb else (0,), device=x.device, dtype=torch.float32
+    )
+    if n_node > 0:
+        x, wigner, kc, cb = kernel_operands(x, wigner, kc, cb)
+        wrap_triton(_rotate_mix_bwd_kernel)[(n_node,)](
+            grad_u.contiguous(), x, wigner, kc, cb, src_order, src_rowptr,
+            grad_x, grad_wigner, grad_kc, partial_cb,
+            src_order.shape[0], x.stride(0), wigner.stride(0),
+            L=lmax, CF=c_wide // n_focus, CW=c_wide, BC=triton.next_power_of_2(c_wide),
+            RANK=rank, WANT_CB=want_cb, BLOCK_E=tiles.block_e,
+            W_SR=wigner.stride(1), GW_SR=grad_wigner.shape[2], num_warps=tiles.num_warps,
+        )  # fmt: skip
+    # Per-node partials summed in a fixed order: deterministic, no atomics.
+    grad_cb = partial_cb.sum(0) if want_cb else cb.new_zeros((0,))
+    return grad_x, grad_wigner, grad_kc, grad_cb
+
+
+# ---------------------------------------------------------------------------------------------
+# Op registration: the backward op, its second order, and the forward op's autograd.
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_grad_u(grad_u: Tensor, x: Tensor, src: Tensor, lmax: int, n_focus: int) -> None:
+    expected = (n_focus, src.shape[0], n_reduced(lmax) * (x.shape[2] // n_focus))
+    if tuple(grad_u.shape) != expected:
+        raise ValueError(
+            f"so2kernels.so2_rotate_mix_bwd: grad_u must be (F, E, ROW) = {expected}, "
+            f"got {tuple(grad_u.shape)}"
+        )
+
+
+@triton_op("so2kernels::so2_rotate_mix_bwd", mutates_args=())
+def _rotate_mix_bwd_op(
+    grad_u: Tensor,
+    x: Tensor,
+    src: Tensor,
+    src_order: Tensor,
+    src_rowptr: Tensor,
+    wigner: Tensor,
+    kc: Tensor,
+    cb: Tensor,
+    lmax: int,
+    n_focus: int,
+    rank: int,
+    want_cb: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
+    _check_grad_u(grad_u, x, src, lmax, n_focus)
+    if not use_triton(grad_u, x, src, src_order, src_rowptr, wigner, kc, cb):
+        return rotate_mix_backward_reference(
+            grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb
+        )
+    check_fused_regime(x, wigner, kc, cb, lmax, n_focus, rank)
+    require_fp32("so2_rotate_mix_bwd", grad_u=grad_u)
+    tiles = rotate_mix_tiles("bwd", x.shape[2], lmax, rank, x.device)
+    return launch_rotate_mix_bwd(
+        grad_u, x, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb, tiles
+    )
+
+
+@_rotate_mix_bwd_op.register_fake
+def _rotate_mix_bwd_fake(
+    grad_u: Tensor,
+    x: Tensor,
+    src: Tensor,
+    src_order: Tensor,
+    src_rowptr: Tensor,
+    wigner: Tensor,
+    kc: Tensor,
+    cb: Tensor,
+    lmax: int,
+    n_focus: int,
+    rank: int,
+    want_cb: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
+    _check_grad_u(grad_u, x, src, lmax, n_focus)
+    grad_cb_shape = (rank, x.shape[2]) if want_cb and rank > 0 else (0,)
+    return (
+        x.new_empty(x.shape),
+        wigner.new_empty(wigner.shape),
+        kc.new_empty(kc.shape),
+        cb.new_empty(grad_cb_shape),
+    )
+
+
+def _rotate_mix_setup_context(
+    ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: Tensor
+) -> None:
+    x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank = inputs
+    ctx.save_for_backward(x, src, src_order, src_rowptr, wigner, kc, cb)
+    ctx.config = (lmax, n_focus, rank)  # type: ignore[attr-defined]
+
+
+def _rotate_mix_backward(
+    ctx: torch.autograd.function.FunctionCtx, grad_u: Tensor
+) -> tuple[Tensor | None, ...]:
+    x, src, src_order, src_rowptr, wigner, kc, cb = ctx.saved_tensors  # type: ignore[attr-defined]
+    lmax, n_focus, rank = ctx.config  # type: ignore[attr-defined]
+    want_cb = rank > 0 and bool(ctx.needs_input_grad[6])  # type: ignore[attr-defined]
+    grad_x, grad_wigner, grad_kc, grad_cb = torch.ops.so2kernels.so2_rotate_mix_bwd(
+        grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb
+    )
+    return (grad_x, None, None, None, grad_wigner, grad_kc, grad_cb if want_cb else None,
+            None, None, None)  # fmt: skip
+
+
+def _rotate_mix_bwd_setup_context(
+    ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: object
+) -> None:
+    grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb = inputs
+    ctx.save_for_backward(grad_u, x, src, src_order, src_rowptr, wigner, kc, cb)
+    ctx.config = (lmax, n_focus, rank, want_cb)  # type: ignore[attr-defined]
+
+
+def _accumulate(total: Tensor | None, term: Tensor) -> Tensor:
+    return term if total is None else total + term
+
+
+def _rotate_mix_bwd_backward(
+    ctx: torch.autograd.function.FunctionCtx,
+    h_x: Tensor | None,
+    h_wigner: Tensor | None,
+    h_kc: Tensor | None,
+    h_cb: Tensor | None,
+) -> tuple[Tensor | None, ...]:
+    """Second order. With s = <grad_u, f(x, W, kc, cb)> multilinear and the op returning
+    (∂s/∂x, ∂s/∂W, ∂s/∂kc, ∂s/∂cb), the contracted scalar Σ_a <h_a, ∂s/∂a> equals
+    Σ_a s(…, a := h_a, …). Its gradient in grad_u is Σ_a f(a := h_a), and in an operand b it is
+    Σ_{a≠b} (∂s/∂b)(a := h_a): one forward and one backward launch per incoming cotangent."""
+    grad_u, x, src, src_order, src_rowptr, wigner, kc, cb = ctx.saved_tensors  # type: ignore[attr-defined]
+    lmax, n_focus, rank, want_cb = ctx.config  # type: ignore[attr-defined]
+    needs = ctx.needs_input_grad  # type: ignore[attr-defined]
+    operands = [x, wigner, kc, cb]
+    cotangents = [h_x, h_wigner, h_kc, h_cb if want_cb and rank > 0 else None]
+    operand_needs = [bool(needs[1]), bool(needs[5]), bool(needs[6]), bool(needs[7]) and rank > 0]
+    grads: list[Tensor | None] = [None, None, None, None]
+    grad_grad_u: Tensor | None = None
+    for slot, cotangent in enumerate(cotangents):
+        if cotangent is None:
+            continue
+        args = list(operands)
+        args[slot] = cotangent
+        if needs[0]:
+            term_u = torch.ops.so2kernels.so2_rotate_mix(
+                args[0], src, src_order, src_rowptr, args[1], args[2], args[3], lmax, n_focus, rank
+            )
+            grad_grad_u = _accumulate(grad_grad_u, term_u)
+        others = [b for b in range(4) if b != slot and operand_needs[b]]
+        if not others:
+            continue
+        terms = torch.ops.so2kernels.so2_rotate_mix_bwd(
+            grad_u, args[0], src, src_order, src_rowptr, args[1], args[2], args[3],
+            lmax, n_focus, rank, 3 in others,
+        )  # fmt: skip
+        for b in others:
+            grads[b] = _accumulate(grads[b], terms[b])
+    return (grad_grad_u, grads[0], None, None, None, grads[1], grads[2], grads[3],
+            None, None, None, None)  # fmt: skip
+
+
+torch.library.register_autograd(
+    "so2kernels::so2_rotate_mix", _rotate_mix_backward, setup_context=_rotate_mix_setup_context
+)
+_rotate_mix_bwd_op.register_autograd(
+    _rotate_mix_bwd_backward, setup_context=_rotate_mix_bwd_setup_context
+)
+
+
+def rotate_mix_backward(
+    grad_u: Tensor,
+    x: Tensor,
+    src: Tensor,
+    src_order: Tensor,
+    src_rowptr: Tensor,
+    wigner: Tensor,
+    kc: Tensor,
+    cb: Tensor,
+    lmax: int,
+    n_focus: int,
+    rank: int,
+    want_cb: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``torch.ops.so2kernels.so2_rotate_mix_bwd``: (grad_x, grad_wigner, grad_kc, grad_cb)."""
+    out: tuple[Tensor, Tensor, Tensor, Tensor] = torch.ops.so2kernels.so2_rotate_mix_bwd(
+        grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb
+    )
+    return out

@@ -1,0 +1,96 @@
+"""Launch tiles for the rotate-mix kernels: shape-keyed tables per GPU, with conservative fallbacks.
+
+Tables live in ``so2kernels/tables/<gpu-slug>.json`` (``NVIDIA H200`` → ``nvidia_h200.json``) and
+are written by ``benchmarks/sweep_tiles.py``. Layout::
+
+    {"device": "NVIDIA H200", "torch": "...", "triton": "...", "date": "...", "command": "...",
+     "rotate_mix_fwd": {"cw128_l2_r1": {"block_e": 2, "num_warps": 4}, ...},
+     "rotate_mix_bwd": {"cw128_l2_r1": {"block_e": 4, "num_warps": 4}, ...}}
+
+``block_e`` is the number of edges one program handles at a time: in the forward, edges per
+program; in the node-centric backward, the edge-block step through one node's segment. Every
+candidate is validated against the float64 reference before it is timed. A backward entry is
+written only when a measured configuration beat the fallback (per-edge, warps by working set);
+the entries with ``block_e > 1`` are the edge-block variant's win-list. A missing key means the
+fallback. Extra fields (``ms``, ``fallback_ms``) record the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import triton
+
+from so2kernels._layout import n_coeff
+
+Direction = Literal["fwd", "bwd"]
+
+TABLES_DIR = Path(__file__).resolve().parent / "tables"
+
+
+@dataclass(frozen=True)
+class LaunchTiles:
+    """One launch configuration: edges per program step and warps per program."""
+
+    block_e: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        if self.block_e < 1 or self.block_e & (self.block_e - 1):
+            raise ValueError(f"block_e must be a power of two >= 1, got {self.block_e}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+
+
+INTERPRETER_TILES = LaunchTiles(block_e=8, num_warps=4)
+"""Under TRITON_INTERPRET the cost is programs × ops, so the CPU path takes wide edge blocks."""
+
+
+def table_key(c_wide: int, lmax: int, rank: int) -> str:
+    """Shape regime key of a table entry."""
+    return f"cw{c_wide}_l{lmax}_r{rank}"
+
+
+def device_slug(device_name: str) -> str:
+    """File stem of a GPU's table: lower-case, non-alphanumerics folded to ``_``."""
+    return re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
+
+
+@cache
+def load_table(slug: str) -> dict[str, Any]:
+    """The table for a device slug, or ``{}`` when none ships."""
+    path = TABLES_DIR / f"{slug}.json"
+    if not path.is_file():
+        return {}
+    table: dict[str, Any] = json.loads(path.read_text())
+    return table
+
+
+def fallback_tiles(direction: Direction, c_wide: int, lmax: int) -> LaunchTiles:
+    """Per-edge steps; the backward's warps grow with its per-program working set (lanes × packed
+    rows), which kept ptxas (sm_90) under 255 registers without spills up to lmax 3."""
+    lanes = triton.next_power_of_2(c_wide)
+    if direction == "fwd":
+        return LaunchTiles(block_e=1, num_warps=4 if lanes <= 256 else 8)
+    work = lanes * n_coeff(lmax)
+    warps = 4 if work <= 128 * 16 else 8 if work <= 256 * 16 else 16
+    return LaunchTiles(block_e=1, num_warps=warps)
+
+
+def rotate_mix_tiles(
+    direction: Direction, c_wide: int, lmax: int, rank: int, device: torch.device
+) -> LaunchTiles:
+    """Tiles for one rotate-mix launch: the device's table entry, else the fallback."""
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    slug = device_slug(torch.cuda.get_device_name(device))
+    entry = load_table(slug).get(f"rotate_mix_{direction}", {}).get(table_key(c_wide, lmax, rank))
+    if entry is None:
+        return fallback_tiles(direction, c_wide, lmax)
+    return LaunchTiles(block_e=int(entry["block_e"]), num_warps=int(entry["num_warps"]))

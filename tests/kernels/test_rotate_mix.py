@@ -1,0 +1,402 @@
+"""so2_rotate_mix: fused path (interpreter on CPU) against the float64 reference — values, first
+and second order — over the regimes, plus golden slot orientation, opcheck and torch.compile."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from so2kernels._dispatch import UnsupportedInputError, use_triton
+from so2kernels._layout import n_coeff, n_kernel_slots, reduced_to_packed
+from so2kernels.rotate_mix import (
+    launch_rotate_mix_fwd,
+    mix_degrees_reference,
+    rotate_mix,
+    rotate_mix_reference,
+)
+from so2kernels.rotate_mix_backward import (
+    launch_rotate_mix_bwd,
+    rotate_mix_backward,
+    rotate_mix_backward_reference,
+)
+from so2kernels.segment import csr_from_index
+from so2kernels.tiles import LaunchTiles
+from tests.conftest import shared_path
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+fused_only = pytest.mark.skipif(
+    not use_triton(torch.empty(1, device=DEVICE)), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every float ``torch.empty`` comes back NaN-filled: an unwritten output element fails."""
+    real_empty = torch.empty
+
+    def nan_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real_empty(*args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    yield
+
+
+@dataclass(frozen=True)
+class Case:
+    lmax: int
+    n_focus: int
+    focus_dim: int
+    rank: int
+    n_node: int = 5
+    n_edge: int = 13
+    extra_dw: int = 0  # Wigner operand wider than (L+1)²: only the leading block may be read
+    strided_x: bool = False  # x as a row-slice view of wider node features
+
+    def __str__(self) -> str:
+        return (
+            f"L{self.lmax}-F{self.n_focus}x{self.focus_dim}-R{self.rank}-N{self.n_node}"
+            f"-E{self.n_edge}-dw{self.extra_dw}{'-strided' if self.strided_x else ''}"
+        )
+
+
+@dataclass
+class Operands:
+    x: torch.Tensor
+    src: torch.Tensor
+    src_order: torch.Tensor
+    src_rowptr: torch.Tensor
+    wigner: torch.Tensor
+    kc: torch.Tensor
+    cb: torch.Tensor
+    lmax: int
+    n_focus: int
+    rank: int
+
+    def args(self) -> tuple[Any, ...]:
+        return (self.x, self.src, self.src_order, self.src_rowptr, self.wigner, self.kc, self.cb,
+                self.lmax, self.n_focus, self.rank)  # fmt: skip
+
+    def floats(self) -> list[torch.Tensor]:
+        return [self.x, self.wigner, self.kc, self.cb]
+
+    def cast(self, dtype: torch.dtype) -> Operands:
+        return replace(self, **{k: getattr(self, k).to(dtype) for k in ("x", "wigner", "kc", "cb")})
+
+
+def make_operands(case: Case, seed: int = 0, device: str = DEVICE) -> Operands:
+    """float32 operands drawn in float64 (so a float64 copy holds identical values)."""
+    gen = torch.Generator().manual_seed(seed)
+    dim, c_wide = n_coeff(case.lmax), case.n_focus * case.focus_dim
+
+    def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+        return t.to(torch.float32).to(device)
+
+    x = (
+        draw(case.n_node, dim + 2, c_wide)[:, 1 : dim + 1]
+        if case.strided_x
+        else draw(case.n_node, dim, c_wide)
+    )
+    # Sources avoid the last node, so one node always has no outgoing edge.
+    src = torch.randint(0, max(case.n_node - 1, 1), (case.n_edge,), generator=gen).to(device)
+    order, row_ptr = csr_from_index(src, case.n_node)
+    dw = dim + case.extra_dw
+    wigner = draw(case.n_edge, dw, dw, scale=0.5)
+    if case.rank == 0:
+        kc = draw(case.n_edge, case.lmax + 1, c_wide)
+        cb = torch.empty(0, c_wide, device=device)
+    else:
+        kc = draw(case.n_edge, n_kernel_slots(case.lmax) * case.rank, scale=0.5)
+        cb = draw(case.rank, c_wide)
+    return Operands(x, src, order, row_ptr, wigner, kc, cb, case.lmax, case.n_focus, case.rank)
+
+
+def assert_close_normwise(got: torch.Tensor, want: torch.Tensor, rel: float = 3e-6) -> None:
+    """Max abs error against the float64 truth, relative to its largest magnitude."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert torch.isfinite(got).all(), "non-finite values (unwritten output?)"
+    if want.numel() == 0:
+        return
+    scale = max(want.abs().max().item(), 1e-30)
+    err = (got.double() - want).abs().max().item()
+    assert err <= rel * scale, f"max abs err {err:.3e} > {rel:g} × {scale:.3e}"
+
+
+CASES = [
+    Case(1, 1, 32, 0),
+    Case(1, 2, 32, 1, extra_dw=5),
+    Case(2, 3, 32, 2, strided_x=True),
+    Case(2, 1, 96, 1),  # Cf 96: 128 lanes, 32 masked
+    Case(2, 4, 32, 1, extra_dw=16),  # the tiny-fused model's shape, lmax-6 Wigner cache
+    Case(3, 2, 64, 3),
+    Case(3, 1, 96, 0, extra_dw=7),
+    Case(2, 2, 96, 4),
+    Case(3, 1, 128, 1),
+    Case(6, 1, 32, 2, n_edge=7, n_node=3),
+    Case(6, 2, 32, 0, n_edge=6, n_node=4),
+    Case(2, 1, 32, 1, n_edge=1, n_node=1),  # single edge, single node
+    Case(2, 2, 32, 2, n_edge=3, n_node=8),  # mostly nodes with no edges
+]
+
+
+@fused_only
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_forward_and_gradients_match_reference(case: Case) -> None:
+    ops = make_operands(case)
+    ref = ops.cast(torch.float64)
+    for t in ops.floats() + ref.floats():
+        t.requires_grad_(True)
+    u = rotate_mix(*ops.args())
+    u_ref = rotate_mix_reference(*ref.args())
+    assert_close_normwise(u, u_ref)
+
+    grad_u = torch.randn(u.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    n_leaves = 4 if case.rank else 3
+    grads = torch.autograd.grad(u, ops.floats()[:n_leaves], grad_u.to(DEVICE, torch.float32))
+    grads_ref = torch.autograd.grad(u_ref, ref.floats()[:n_leaves], grad_u.to(DEVICE))
+    for got, want in zip(grads, grads_ref, strict=True):
+        assert_close_normwise(got, want, rel=5e-6)
+    # Entries of the Wigner operand the op does not read have exactly zero gradient.
+    structural = torch.zeros_like(ops.wigner, dtype=torch.bool)
+    rows = torch.tensor(reduced_to_packed(case.lmax))
+    for r, degree in zip(rows.tolist(), _degrees(case.lmax), strict=True):
+        structural[:, r, degree * degree : (degree + 1) ** 2] = True
+    assert torch.all(grads[1][~structural] == 0)
+
+
+def _degrees(lmax: int) -> list[int]:
+    return list(range(lmax + 1)) + list(range(1, lmax + 1)) * 2
+
+
+@fused_only
+def test_unread_wigner_entries_do_not_matter() -> None:
+    ops = make_operands(Case(2, 2, 32, 1, extra_dw=4))
+    noisy = ops.wigner.clone()
+    dim = n_coeff(2)
+    noisy[:, dim:, :] = float("nan")  # outside the leading block
+    noisy[:, :dim, dim:] = float("nan")
+    noisy[:, 0, 1:dim] = 1e6  # off-block entries inside the leading block
+    noisy[:, 4, 0:4] = -1e6  # row of degree 2 (m=-2), never read
+    assert torch.equal(rotate_mix(*replace(ops, wigner=noisy).args()), rotate_mix(*ops.args()))
+
+
+@fused_only
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("tiles", [LaunchTiles(1, 4), LaunchTiles(2, 4), LaunchTiles(4, 2)])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_launch_tiles_per_edge_and_edge_block(tiles: LaunchTiles, rank: int) -> None:
+    ops = make_operands(Case(2, 2, 32, rank, n_node=6, n_edge=11))
+    ref = ops.cast(torch.float64)
+    u = launch_rotate_mix_fwd(ops.x, ops.src, ops.wigner, ops.kc, ops.cb, 2, 2, rank, tiles)
+    assert_close_normwise(u, rotate_mix_reference(*ref.args()))
+    grad_u = torch.randn(u.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    got = launch_rotate_mix_bwd(grad_u, ops.x, ops.src_order, ops.src_rowptr, ops.wigner, ops.kc,
+                                ops.cb, 2, 2, rank, True, tiles)  # fmt: skip
+    want = rotate_mix_backward_reference(grad_u.double(), *ref.args())
+    for g, w in zip(got, want, strict=True):
+        assert_close_normwise(g, w, rel=5e-6)
+
+
+@pytest.mark.parametrize("case", [Case(2, 2, 8, 0), Case(2, 2, 8, 2), Case(3, 1, 4, 1)], ids=str)
+def test_closed_form_backward_reference_matches_autograd(case: Case) -> None:
+    ref = make_operands(case, device="cpu").cast(torch.float64)
+    for t in ref.floats():
+        t.requires_grad_(True)
+    u = rotate_mix_reference(*ref.args())
+    grad_u = torch.randn(u.shape, dtype=torch.float64)
+    auto = torch.autograd.grad(u, ref.floats() if case.rank else ref.floats()[:3], grad_u)
+    closed = rotate_mix_backward_reference(grad_u, *ref.args())
+    for a, c in zip(auto, closed, strict=False):
+        torch.testing.assert_close(c, a)
+
+
+def _second_order(ops: Operands, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A force-loss-like chain: g = ∂E/∂(operands) with create_graph, then ∂(Σ wᵢ·gᵢ²)/∂(…)."""
+    leaves = ops.floats() if ops.rank else ops.floats()[:3]
+    for t in leaves:
+        t.requires_grad_(True)
+    fn = rotate_mix if ops.x.dtype == torch.float32 else rotate_mix_reference
+    u = fn(*ops.args())
+    energy = (u * u * weights[0]).sum()  # nonlinear in u: grad_u depends on the operands
+    grads = torch.autograd.grad(energy, leaves, create_graph=True)
+    loss = sum(((g * w) ** 2).sum() for g, w in zip(grads, weights[1:], strict=False))
+    return [*grads, *torch.autograd.grad(loss, leaves)]
+
+
+@fused_only
+@pytest.mark.parametrize(
+    "case", [Case(1, 2, 32, 0), Case(2, 1, 32, 1, extra_dw=3), Case(2, 2, 32, 2)], ids=str
+)
+def test_second_order_matches_reference(case: Case) -> None:
+    ops = make_operands(case, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    u_shape = (case.n_focus, case.n_edge, (3 * case.lmax + 1) * case.focus_dim)
+    shapes = [u_shape] + [tuple(t.shape) for t in ops.floats()]
+    weights64 = [torch.rand(s, generator=gen, dtype=torch.float64).to(DEVICE) for s in shapes]
+    fused = _second_order(ops, [w.float() for w in weights64])
+    reference = _second_order(ops.cast(torch.float64), weights64)
+    for got, want in zip(fused, reference, strict=True):
+        assert_close_normwise(got, want, rel=2e-5)
+
+
+@fused_only
+def test_backward_is_deterministic() -> None:
+    ops = make_operands(Case(2, 2, 32, 1, n_node=4, n_edge=40))
+    grad_u = torch.randn(2, 40, 7 * 32).to(DEVICE)
+    first = rotate_mix_backward(grad_u, *ops.args())
+    second = rotate_mix_backward(grad_u, *ops.args())
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@fused_only
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_zero_edges(rank: int) -> None:
+    ops = make_operands(Case(2, 1, 32, rank, n_node=3, n_edge=0))
+    for t in ops.floats():
+        t.requires_grad_(True)
+    u = rotate_mix(*ops.args())
+    assert u.shape == (1, 0, 7 * 32)
+    grads = torch.autograd.grad(u.sum(), ops.floats()[:3], allow_unused=True)
+    assert torch.equal(grads[0], torch.zeros_like(ops.x))
+    assert grads[1].shape == ops.wigner.shape and grads[2].shape == ops.kc.shape
+
+
+@fused_only
+@pytest.mark.parametrize("rank", [0, 2])
+def test_opcheck(rank: int) -> None:
+    ops = make_operands(Case(2, 2, 32, rank, n_node=3, n_edge=5))
+    for t in ops.floats():
+        t.requires_grad_(True)
+    torch.library.opcheck(torch.ops.so2kernels.so2_rotate_mix.default, ops.args())
+    grad_u = torch.randn(2, 5, 7 * 32, device=DEVICE)
+    torch.library.opcheck(
+        torch.ops.so2kernels.so2_rotate_mix_bwd.default, (grad_u, *ops.args(), True)
+    )
+
+
+@fused_only
+def test_torch_compile_aot_eager() -> None:
+    ops = make_operands(Case(2, 2, 32, 1, n_node=4, n_edge=9))
+    for t in ops.floats():
+        t.requires_grad_(True)
+
+    def energy(x: torch.Tensor, wigner: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
+        u = rotate_mix(x, ops.src, ops.src_order, ops.src_rowptr, wigner, kc, ops.cb, 2, 2, 1)
+        return (u * u).sum()
+
+    compiled = torch.compile(energy, backend="aot_eager", fullgraph=True)
+    inputs = (ops.x, ops.wigner, ops.kc)
+    want = torch.autograd.grad(energy(*inputs), inputs)
+    got = torch.autograd.grad(compiled(*inputs), inputs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_golden_slot_orientation() -> None:
+    """deepmd's rank-1 degree mixer on the triclinic cell: kc = rad[m0 rows] @ W_mix."""
+    path = shared_path("reference", "golden", "tiny_fused_common_intermediates.npz")
+    ckpt = torch.load(shared_path("reference", "golden", "tiny_fused_plain.pt"), weights_only=True)
+    prefix = "model.Default.atomic_model.descriptor.blocks.0.so2_conv.radial_degree_mixer."
+    w_mix = ckpt["model"][prefix + "weight"].double()
+    basis = ckpt["model"][prefix + "channel_basis"].double()
+    data = np.load(path)
+    x_rot = torch.from_numpy(data["tricl_b0_x_local_rot"]).double()
+    rad = torch.from_numpy(data["tricl_b0_rad_wide"]).double()
+    want = torch.from_numpy(data["tricl_b0_mixer_out"]).double()
+    kc = rad[:, :3].reshape(3, -1) @ w_mix
+    got = mix_degrees_reference(x_rot, kc, basis, lmax=2, rank=1)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    if use_triton(torch.empty(1, device=DEVICE)):
+        # The fused kernel with identity rotations and x = the rotated rows put back in place.
+        x = torch.zeros(3, 9, 128, dtype=torch.float64)
+        x[:, list(reduced_to_packed(2))] = x_rot
+        src = torch.arange(3)
+        order, row_ptr = csr_from_index(src, 3)
+        eye = torch.eye(9).expand(3, 9, 9).contiguous()
+        u = rotate_mix(x.float().to(DEVICE), src.to(DEVICE), order.to(DEVICE),
+                       row_ptr.to(DEVICE), eye.to(DEVICE), kc.float().to(DEVICE),
+                       basis.float().to(DEVICE), 2, 4, 1)  # fmt: skip
+        fused = u.reshape(4, 3, 7, 32).permute(1, 2, 0, 3).reshape(3, 7, 128)
+        assert (fused.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_bad_inputs_raise_typed_errors() -> None:
+    ops = make_operands(Case(2, 2, 32, 1), device="cpu")
+    with pytest.raises(ValueError, match="kc"):
+        rotate_mix_reference(*replace(ops, kc=ops.kc[:, :-1]).args())
+    with pytest.raises(ValueError, match="wigner"):
+        rotate_mix_reference(*replace(ops, wigner=ops.wigner[:, :4, :4]).args())
+    with pytest.raises(ValueError, match="n_focus"):
+        rotate_mix_reference(*replace(ops, n_focus=3).args())
+    with pytest.raises(ValueError, match="src_rowptr"):
+        rotate_mix_reference(*replace(ops, src_rowptr=ops.src_rowptr[:-1]).args())
+
+
+@fused_only
+def test_fused_path_refuses_other_dtypes_and_regimes() -> None:
+    ops = make_operands(Case(2, 2, 32, 1))
+    with pytest.raises(UnsupportedInputError, match="float32"):
+        rotate_mix(*ops.cast(torch.float64).args())
+    with pytest.raises(ValueError, match="focus_dim"):
+        rotate_mix(*make_operands(Case(2, 2, 16, 1)).args())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic sizes (run by the lead on the H200)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [Case(2, 1, 128, 1, n_node=4000, n_edge=200_000), Case(3, 2, 64, 2, n_node=4000,
+                                                             n_edge=200_000),
+     Case(2, 2, 96, 0, n_node=3000, n_edge=150_000, extra_dw=16)],
+    ids=str,
+)  # fmt: skip
+def test_gpu_realistic_size(case: Case) -> None:
+    ops = make_operands(case, device="cuda")
+    ref = ops.cast(torch.float64)
+    for t in ops.floats() + ref.floats():
+        t.requires_grad_(True)
+    u = rotate_mix(*ops.args())
+    u_ref = rotate_mix_reference(*ref.args())
+    assert_close_normwise(u, u_ref)
+    grad_u = torch.randn(u.shape, device="cuda", dtype=torch.float64)
+    n_leaves = 4 if case.rank else 3
+    grads = torch.autograd.grad(u, ops.floats()[:n_leaves], grad_u.float())
+    grads_ref = torch.autograd.grad(u_ref, ref.floats()[:n_leaves], grad_u)
+    for got, want in zip(grads, grads_ref, strict=True):
+        assert_close_normwise(got, want, rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_int64_offsets() -> None:
+    """E·ROW > 2^31: per-edge outputs of the last edges against the reference on those edges."""
+    case = Case(2, 1, 128, 1, n_node=25_000, n_edge=2_500_000)
+    ops = make_operands(case, device="cuda")
+    assert case.n_edge * 7 * 128 > 2**31
+    u = rotate_mix(*ops.args())
+    tail = torch.arange(case.n_edge - 2000, case.n_edge, device="cuda")
+    sub_order, sub_rowptr = csr_from_index(ops.src[tail], case.n_node)
+    sub = replace(ops, src=ops.src[tail], src_order=sub_order, src_rowptr=sub_rowptr,
+                  wigner=ops.wigner[tail], kc=ops.kc[tail]).cast(torch.float64)  # fmt: skip
+    assert_close_normwise(u[:, tail], rotate_mix_reference(*sub.args()))
+    grad_u = torch.zeros_like(u)
+    grad_u[:, tail] = torch.randn(1, 2000, 7 * 128, device="cuda")
+    _, g_wigner, g_kc, _ = rotate_mix_backward(grad_u, *ops.args())
+    _, w_wigner, w_kc, _ = rotate_mix_backward_reference(grad_u[:, tail].double(), *sub.args())
+    assert_close_normwise(g_wigner[tail], w_wigner, rel=5e-6)
+    assert_close_normwise(g_kc[tail], w_kc, rel=5e-6)
