@@ -4,9 +4,14 @@ For each config (``small``, ``medium`` and DeePMD's bar config) and size (192, 1
 atoms by default) it times the fused path, the reference path and ``torch.compile`` of the
 reference, and reports ms/step, atom-steps/s, peak memory (MiB and MiB/atom), the share of a step
 spent in graph build, in the SO(2) value-path ops and in the rest, and the fused-vs-reference
-max |ΔF|. Results go to ``benchmarks/results/model_<date>.json``.
+max |ΔF|. Each case runs under every ``--memory`` mode (``fast``: all per-edge activations kept;
+``lean``: edge chunks recomputed in the backward; ``auto``: lean only when needed). Larger sizes
+of a (config, path, memory) series are skipped after its first out-of-memory, and
+``--find-max`` then doubles the size from the last that fitted until one does not, reporting the
+largest that fits. Results go to ``benchmarks/results/model_<date>.json``.
 
     python benchmarks/model.py                       # everything
+    python benchmarks/model.py --configs bar --paths fused --memory fast lean --find-max
     python benchmarks/model.py --configs bar --sizes 192 12288 --paths fused reference
 """
 
@@ -29,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from service.graph.structures import StructureArrays, Structures  # noqa: E402
 from service.model.config import ModelConfig, preset  # noqa: E402
-from service.model.potential import Potential  # noqa: E402
+from service.model.potential import MEMORY_MODES, Potential  # noqa: E402
 from tests.model.randomized import randomized_model  # noqa: E402
 
 WATER_DIRS = (
@@ -123,6 +128,7 @@ def _value_path_share(
             "so2kernels" in name
             or "rotate_mix" in name
             or "mixing_stack" in name
+            or "aggregate" in name
             or "segment_" in name
         ):
             value += float(getattr(evt, "self_device_time_total", cuda))
@@ -137,11 +143,13 @@ def _value_path_share(
 
 
 def run_case(
-    cfg_name: str, n_atoms: int, path: str, props: tuple[str, ...], repeats: int
+    cfg_name: str, n_atoms: int, path: str, props: tuple[str, ...], repeats: int, memory: str
 ) -> dict[str, Any]:
     cfg = CONFIGS[cfg_name]()
     model = randomized_model(cfg)
-    pot = Potential(model, device="cuda", path="fused" if path == "fused" else "reference")
+    pot = Potential(
+        model, device="cuda", path="fused" if path == "fused" else "reference", memory=memory
+    )
     structures = water_box(n_atoms).to(pot.device)
     if path == "compiled":
         pot.model = torch.compile(pot.model, dynamic=True)  # type: ignore[assignment]
@@ -149,6 +157,7 @@ def run_case(
         "config": cfg_name,
         "n_atoms": int(structures.n_atoms),
         "path": path,
+        "memory": memory,
         "properties": list(props),
     }
     try:
@@ -173,6 +182,37 @@ def run_case(
     finally:
         torch.cuda.empty_cache()
     return row
+
+
+def run_series(
+    cfg_name: str, path: str, memory: str, sizes: list[int], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One (config, path, memory) series over increasing sizes; stops at the first OOM. With
+    ``--find-max`` it keeps doubling past the last size until a run does not fit."""
+    props = ("energy", "forces", "stress") if args.stress else ("energy", "forces")
+    rows: list[dict[str, Any]] = []
+    largest = 0
+    for n in sorted(sizes):
+        row = run_case(cfg_name, n, path, props, args.repeats, memory)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if "error" in row:
+            break
+        largest = row["n_atoms"]
+    else:
+        n = 2 * max(sizes)
+        while args.find_max and n <= args.max_atoms:
+            row = run_case(cfg_name, n, path, props, 2, memory)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if "error" in row:
+                break
+            largest = row["n_atoms"]
+            n *= 2
+    rows.append(
+        {"config": cfg_name, "path": path, "memory": memory, "largest_fitting_atoms": largest}
+    )
+    return rows
 
 
 def agreement(cfg_name: str, n_atoms: int) -> dict[str, Any]:
@@ -202,6 +242,9 @@ def main() -> None:
     )
     parser.add_argument("--sizes", nargs="+", type=int, default=[192, 1536, 12288, 98304])
     parser.add_argument("--paths", nargs="+", default=["fused", "reference", "compiled"])
+    parser.add_argument("--memory", nargs="+", default=["fast", "lean"], choices=list(MEMORY_MODES))
+    parser.add_argument("--find-max", action="store_true", help="double sizes until OOM")
+    parser.add_argument("--max-atoms", type=int, default=1_600_000)
     parser.add_argument("--stress", action="store_true", help="also compute the stress")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--agreement-sizes", nargs="+", type=int, default=[192, 1536, 12288])
@@ -211,14 +254,11 @@ def main() -> None:
         sys.exit("benchmarks/model.py needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    props = ("energy", "forces", "stress") if args.stress else ("energy", "forces")
     rows = []
     for cfg_name in args.configs:
-        for n in args.sizes:
-            for path in args.paths:
-                row = run_case(cfg_name, n, path, props, args.repeats)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        for path in args.paths:
+            for memory in args.memory:
+                rows += run_series(cfg_name, path, memory, args.sizes, args)
     checks = [agreement(c, n) for c in args.configs for n in args.agreement_sizes]
     for c in checks:
         print(json.dumps(c), flush=True)

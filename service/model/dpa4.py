@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from service.model.config import ModelConfig
+from service.model.layers.edge_chunks import EdgeChunk, plan_edge_chunks
 from service.model.layers.embedding import (
     EnvSeed,
     RadialBasis,
@@ -58,9 +59,12 @@ class InteractionBlock(nn.Module):
         live_weights: bool,
         taps: dict[str, Tensor] | None,
         prefix: str,
+        chunks: list[EdgeChunk] | None = None,
     ) -> Tensor:
         conv_taps: dict[str, Tensor] | None = {} if taps is not None else None
-        update = self.conv(x, radial, cache, fused=fused, live_weights=live_weights, taps=conv_taps)
+        update = self.conv(
+            x, radial, cache, fused=fused, live_weights=live_weights, taps=conv_taps, chunks=chunks
+        )
         normed = self.post_conv_norm(update)
         x = x + normed
         if taps is not None and conv_taps is not None:
@@ -141,15 +145,19 @@ class DPA4Model(nn.Module):
         fused: bool = False,
         live_weights: bool = True,
         taps: dict[str, Tensor] | None = None,
+        edge_chunk: int | None = None,
     ) -> Tensor:
         """Atomic energies ``(N,) float64`` of atoms with type indices ``types (N,) int64``.
 
         ``fused`` selects the so2kernels ops instead of their references; ``live_weights=False``
         lets inference reuse packed stack weights (no weight gradients); ``taps`` collects
-        intermediates by name for stage-by-stage validation.
+        intermediates by name for stage-by-stage validation; ``edge_chunk`` (edges per chunk)
+        runs the SO(2) convolutions' per-edge pipeline in chunks that are recomputed in the
+        backward (bounded memory; see :mod:`service.model.layers.so2conv`). Not for
+        ``create_graph`` (training): leave it ``None`` there.
         """
         descriptor = self.descriptor(
-            types, cache, fused=fused, live_weights=live_weights, taps=taps
+            types, cache, fused=fused, live_weights=live_weights, taps=taps, edge_chunk=edge_chunk
         )
         raw: Tensor = self.fitting(descriptor)
         if taps is not None:
@@ -190,15 +198,18 @@ class DPA4Model(nn.Module):
         fused: bool,
         live_weights: bool,
         taps: dict[str, Tensor] | None,
+        edge_chunk: int | None = None,
     ) -> Tensor:
         """Invariant per-atom descriptor ``(N, C)``: blocks then the residual l=0 readout."""
         x, radial = self.initial_state(types, cache, taps)
         if taps is not None:
             taps["x0"] = x
+        chunks = plan_edge_chunks(cache.graph, edge_chunk)
         for i, block in enumerate(self.blocks):
             x = block(
-                x, radial, cache, fused=fused, live_weights=live_weights, taps=taps, prefix=f"b{i}_"
-            )
+                x, radial, cache, fused=fused, live_weights=live_weights, taps=taps,
+                prefix=f"b{i}_", chunks=chunks,
+            )  # fmt: skip
             if taps is not None:
                 taps[f"b{i}_out"] = x
         x0 = x[:, :1]

@@ -36,6 +36,16 @@ PROPERTIES = frozenset({"energy", "energies", "forces", "virial", "stress"})
 PATHS = ("auto", "fused", "reference")
 PRECISIONS = ("fp32", "fp64")
 """``fp64`` runs the model in float64 on the reference path (validation, finite differences)."""
+MEMORY_MODES = ("auto", "fast", "lean")
+"""Per-edge activation policy of the SO(2) convolutions (see :func:`edge_chunk_for`):
+``fast`` keeps every activation for the backward; ``lean`` runs the per-edge pipeline in
+destination-node chunks of ``DEFAULT_EDGE_CHUNK`` edges and recomputes each chunk in the backward
+(bounded memory, one extra value-path forward); ``auto`` is ``fast`` while the estimated
+activations fit in half of the free device memory, ``lean`` beyond."""
+DEFAULT_EDGE_CHUNK = 131_072
+"""Edges per chunk in ``lean`` mode: big enough that every kernel launch fills an H200, small
+enough that one chunk's activations stay around a couple of GB at C_wide = 128."""
+AUTO_MEMORY_FRACTION = 0.5
 
 
 @dataclass
@@ -60,6 +70,7 @@ class ExecutionInfo:
     path: str  # "fused" | "reference"
     precision: str  # "fp32"
     device: str
+    memory: str = "auto"  # MEMORY_MODES
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,35 @@ def resolve_path(config: ModelConfig, device: torch.device, path: str) -> str:
     return path
 
 
+def value_path_bytes_per_edge(config: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Per-edge activations one SO(2) convolution keeps for its backward in ``fast`` mode:
+    ``u0``, ``x_local``, ``u_final`` and the ``n-1`` gated pre-activations, each (3L+1)·C_wide."""
+    row = (3 * config.lmax + 1) * config.hidden_channels
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (config.mixing_layers + 2) * row * itemsize
+
+
+def edge_chunk_for(
+    mode: str, config: ModelConfig, n_edges: int, device: torch.device, *, create_graph: bool
+) -> int | None:
+    """Edges per chunk for one evaluation, or ``None`` for the whole graph at once.
+
+    Training (``create_graph``) always runs unchunked: its double backward goes through the
+    eager closed forms, not through checkpoint recomputation.
+    """
+    if mode not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {mode!r}")
+    if create_graph or mode == "fast" or n_edges <= DEFAULT_EDGE_CHUNK:
+        return None
+    if mode == "lean":
+        return DEFAULT_EDGE_CHUNK
+    if device.type != "cuda":
+        return None
+    needed = n_edges * config.n_blocks * value_path_bytes_per_edge(config)
+    free, _ = torch.cuda.mem_get_info(device)
+    return DEFAULT_EDGE_CHUNK if needed > AUTO_MEMORY_FRACTION * free else None
+
+
 def _type_lookup(type_map: tuple[str, ...]) -> Tensor:
     """Atomic number → type index (−1 for elements the model does not know)."""
     table = torch.full((119,), -1, dtype=torch.int64)
@@ -119,7 +159,10 @@ class Potential:
         path: str = "auto",
         precision: str = "fp32",
         metadata: PotentialMetadata | None = None,
+        memory: str = "auto",
     ):
+        if memory not in MEMORY_MODES:
+            raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.device = resolve_device(device)
@@ -131,7 +174,7 @@ class Potential:
             raise ValueError("precision='fp64' runs on the reference path only (kernels are fp32)")
         self.dtype = torch.float64 if precision == "fp64" else torch.float32
         self.model = model.to(self.device, self.dtype).eval()
-        self.execution = ExecutionInfo(resolved, precision, str(self.device))
+        self.execution = ExecutionInfo(resolved, precision, str(self.device), memory)
         self.metadata = metadata or PotentialMetadata(
             name="in-memory", sha256="", elements=cfg.type_map, rcut=cfg.rcut, config=cfg
         )
@@ -189,9 +232,14 @@ class Potential:
                 eps=cfg.eps,
                 dtype=self.dtype,
             )
+            edge_chunk = edge_chunk_for(
+                self.execution.memory, cfg, int(graph.src.shape[0]), self.device,
+                create_graph=create_graph,
+            )  # fmt: skip
             atom_energy = self.model(
-                types, cache, fused=self.execution.path == "fused", live_weights=create_graph
-            )
+                types, cache, fused=self.execution.path == "fused", live_weights=create_graph,
+                edge_chunk=edge_chunk,
+            )  # fmt: skip
             energy = atom_energy.new_zeros(structures.n_structures).index_add(
                 0, structures.atom_batch, atom_energy
             )
@@ -231,6 +279,7 @@ class Potential:
                 "path": self.execution.path,
                 "precision": self.execution.precision,
                 "device": self.execution.device,
+                "memory": self.execution.memory,
             },
         }
 
@@ -246,6 +295,7 @@ def load_potential(
     device: str | torch.device = "auto",
     path: str = "auto",
     precision: str = "fp32",
+    memory: str = "auto",
 ) -> Potential:
     """Load a model file (``None`` = the shipped default) into a :class:`Potential`."""
     from service.model.io import load_model
@@ -263,4 +313,6 @@ def load_potential(
         config=net.config,
         provenance=dict(doc.get("provenance", {})),
     )
-    return Potential(net, device=device, path=path, precision=precision, metadata=meta)
+    return Potential(
+        net, device=device, path=path, precision=precision, metadata=meta, memory=memory
+    )

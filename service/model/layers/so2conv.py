@@ -14,7 +14,24 @@ Pipeline, per block with degree L, focus streams F of width Cf (``C_wide = F·Cf
    env-weighted scatter with degree normalisation; ``post_focus_mix`` ``C_wide → C``.
 
 Steps 3 and 5 are the so2kernels ops (``fused``) or their eager references (``reference``); the
-packed stack weights are cached for inference and rebuilt live when weights need gradients.
+packed stack weights are cached for inference and rebuilt live when weights need gradients. On
+the fused path steps 6–7 are one op, ``so2_attention_aggregate`` (rotate back, rescale, edge
+weights, dst CSR sum in registers: the (E, D, C_wide) messages never exist), and every
+edge↔node gather/sum is a CSR segment op, so the aggregation is deterministic (no atomics).
+
+Memory budget (forces, fp32; DeePMD bar config C 128, L 2, 2 blocks, 3 mixing layers, F·Cf =
+1·128, water at rcut 6 Å ≈ 89 edges/atom). Per-edge activations one convolution keeps for its
+backward when unchunked: ``u0``, ``x_local``, ``u_final`` and ``n−1`` gated pre-activations, each
+(3L+1)·C_wide fp32 = 3.5 KiB, i.e. (n+2)·3.5 = 17.5 KiB/edge, ≈ 1.5 MiB/atom per block, 3.0 MiB/atom
+for the model (potential.value_path_bytes_per_edge). With edge chunks (potential ``memory="lean"``)
+each chunk's pipeline is checkpointed: only its inputs are kept (node features, the radial rows
+(E, L+1, C) = 1.5 KiB/edge shared by all blocks, the Wigner cache 324 B/edge), and the value-path
+activations exist for one chunk at a time (131k edges ≈ 2.3 GB transient, independent of system
+size) at the price of one extra value-path forward per step. Counted on CPU (saved-tensor hooks,
+reference path, 192-atom water box): everything kept for the backward is 8.9 MiB/atom unchunked
+(reference path; it also keeps the (E, D, C_wide) messages) and 2.0 MiB/atom chunked, of which
+≈ 1.1 MiB/atom is the embedding stage outside this module (env-seed filter (E, 256)/(E, 4, 128),
+GIE messages (E, 8, 128), radial MLP) — the next thing to chunk to get under 2 MiB/atom peak.
 """
 
 from __future__ import annotations
@@ -22,16 +39,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from service.model.config import ModelConfig
+from service.model.layers.edge_chunks import EdgeChunk, whole_graph
 from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
 from service.model.layers.linear import DegreeLinear, FocusLinear
 from service.model.layers.norms import ScalarRMSNorm, degree_of_packed_rows
-from so2kernels._layout import n_kernel_slots, n_reduced, reduced_to_packed
+from so2kernels._layout import n_kernel_slots, n_reduced
+from so2kernels.aggregate import attention_aggregate
+from so2kernels.rotate_mix import wigner_reduced_rows
+from so2kernels.segment import segment_broadcast, segment_sum
 
 FOCUS_LABEL_SMOOTHING = 0.02
 
@@ -70,8 +93,45 @@ class SO2Linear(nn.Module):
         return w0.contiguous(), w1.contiguous()
 
 
+class EdgeOps:
+    """Gathers and reductions between one chunk's edges and its nodes.
+
+    The fused path uses the CSR segment ops (each the other's adjoint: no atomics in either
+    direction, reproducible bit for bit); the reference path uses ``index_select``/``index_add``.
+    """
+
+    def __init__(self, chunk: EdgeChunk, fused: bool):
+        self.chunk = chunk
+        self.fused = fused
+
+    def sum_to_dst(self, rows: Tensor) -> Tensor:
+        """``(Ec, *S) → (n_chunk, *S)``: sum over each destination's edges."""
+        c = self.chunk
+        if self.fused:
+            return segment_sum(rows, c.dst_order, c.dst_rowptr)
+        return sum_into_dst(rows, c.dst, c.n_nodes)
+
+    def from_dst(self, values: Tensor) -> Tensor:
+        """``(n_chunk, *S) → (Ec, *S)``: each edge reads its destination's row."""
+        c = self.chunk
+        if self.fused:
+            return segment_broadcast(values, c.dst_order, c.dst_rowptr)
+        return values.index_select(0, c.dst)
+
+    def from_src(self, values: Tensor) -> Tensor:
+        """``(N, *S) → (Ec, *S)``: each edge reads its source's row."""
+        c = self.chunk
+        if self.fused:
+            return segment_broadcast(values, c.src_order, c.src_rowptr)
+        return values.index_select(0, c.src)
+
+
 class Attention(nn.Module):
-    """Envelope-gated softmax aggregation with a null mass and a node output gate (§4.2 step 9)."""
+    """Envelope-gated softmax aggregation with a null mass and a node output gate (§4.2 step 9).
+
+    Split in node terms (queries, keys, output gate; once per block) and per-edge softmax weights
+    (per chunk), so the weighted sum itself can be one fused rotate-back + aggregate op.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -87,30 +147,28 @@ class Attention(nn.Module):
         self.gate_norm = ScalarRMSNorm(cf, f, eps=cfg.eps)
         self.gate_weight = nn.Parameter(torch.randn(cf, f, h) * 0.01)
 
-    def forward(
-        self, message: Tensor, x_l0: Tensor, rad_l0: Tensor, cache: EdgeCacheLike
+    def node_terms(self, x_l0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``x_l0 (N, F, Cf)`` → queries, keys ``(N, F, Cf)`` and output gate ``(N, F·H)``."""
+        qk_in = self.qk_norm(x_l0)
+        gate = torch.sigmoid(torch.einsum("nfi,ifh->nfh", self.gate_norm(x_l0), self.gate_weight))
+        return self.q_proj(qk_in), self.k_proj(qk_in), gate.flatten(1)
+
+    def edge_weights(
+        self, q: Tensor, k: Tensor, rad_l0: Tensor, env: Tensor, ops: EdgeOps
     ) -> Tensor:
-        """``message (E, D, Cw)``, ``x_l0 (N, F, Cf)``, ``rad_l0 (E, Cw)`` → ``(N, D, Cw)``."""
-        g = cache.graph
-        n_nodes, n_edges = x_l0.shape[0], message.shape[0]
+        """Softmax weights ``(Ec, F·H)`` of a chunk's edges; ``q`` holds the chunk's nodes."""
+        n_edges = rad_l0.shape[0]
         f, h = self.n_focus, self.n_head
         hd = self.focus_dim // h
-        qk_in = self.qk_norm(x_l0)
-        q = self.q_proj(qk_in).index_select(0, g.dst).view(n_edges, f, h, hd)
-        k = self.k_proj(qk_in).index_select(0, g.src).view(n_edges, f, h, hd)
-        logits = (q * k).sum(-1) / math.sqrt(hd)
+        q_e = ops.from_dst(q).view(n_edges, f, h, hd)
+        k_e = ops.from_src(k).view(n_edges, f, h, hd)
+        logits = (q_e * k_e).sum(-1) / math.sqrt(hd)
         logits = logits + torch.einsum(
             "efi,ifh->efh", rad_l0.view(n_edges, f, self.focus_dim), self.logit_weight
         )
-        weight = self._softmax(logits.view(n_edges, f * h), cache.env, g.dst, n_nodes)
-        d = message.shape[1]
-        weighted = message.view(n_edges, d, f * h, hd) * weight[:, None, :, None]
-        out = sum_into_dst(weighted, g.dst, n_nodes)  # (N, D, F·H, hd)
-        gate = torch.sigmoid(torch.einsum("nfi,ifh->nfh", self.gate_norm(x_l0), self.gate_weight))
-        out = out * gate.view(n_nodes, 1, f * h, 1)
-        return out.reshape(n_nodes, d, f * self.focus_dim)
+        return self._softmax(logits.view(n_edges, f * h), env, ops)
 
-    def _softmax(self, logits: Tensor, env: Tensor, dst: Tensor, n_nodes: int) -> Tensor:
+    def _softmax(self, logits: Tensor, env: Tensor, ops: EdgeOps) -> Tensor:
         """``env²·e^ℓ / (softplus(z)+eps + Σ_{dst} env²·e^ℓ)`` per (f, h), shifted for stability.
 
         The weights enter as ``ℓ + 2 log env`` so tiny envelopes near rcut do not underflow before
@@ -122,19 +180,18 @@ class Attention(nn.Module):
             active[:, None], logits + log_w[:, None], torch.full_like(logits, -math.inf)
         )
         null_logit = torch.log(F.softplus(self.null_raw).reshape(1, -1) + self.eps)
-        # The shift cancels exactly, so it carries no gradient.
-        shift = null_logit.detach().expand(n_nodes, -1).clone()
-        idx = dst[:, None].expand_as(eff)
+        # The shift cancels exactly, so it carries no gradient (a max is order-independent).
+        shift = null_logit.detach().expand(ops.chunk.n_nodes, -1).clone()
+        idx = ops.chunk.dst[:, None].expand_as(eff)
         shift = shift.scatter_reduce(0, idx, eff.detach(), reduce="amax", include_self=True)
-        edge_exp = torch.exp(eff - shift.index_select(0, dst))
-        denom = sum_into_dst(edge_exp, dst, n_nodes) + torch.exp(null_logit - shift)
-        return edge_exp / denom.index_select(0, dst)
+        edge_exp = torch.exp(eff - ops.from_dst(shift))
+        denom = ops.sum_to_dst(edge_exp) + torch.exp(null_logit - shift)
+        return edge_exp / ops.from_dst(denom)
 
 
 class SO2Convolution(nn.Module):
     """One block's SO(2) convolution: ``(N, (L+1)², C) → (N, (L+1)², C)``."""
 
-    packed_rows: Tensor
     rotate_back_rescale: Tensor
 
     def __init__(self, cfg: ModelConfig):
@@ -165,8 +222,6 @@ class SO2Convolution(nn.Module):
         )
         self.compete_weight = nn.Parameter(torch.randn(cf, nf) * 0.01) if nf > 1 else None
         self.attention = Attention(cfg) if cfg.n_atten_head > 0 else None
-        packed_rows = torch.tensor(reduced_to_packed(lmax), dtype=torch.int64)
-        self.register_buffer("packed_rows", packed_rows, persistent=False)
         rescale = torch.sqrt((2 * degree_of_packed_rows(lmax) + 1).clamp(min=3) / 3.0)
         self.register_buffer("rotate_back_rescale", rescale.float(), persistent=False)
         self._packed_cache: tuple[tuple[object, ...], PackedStack] | None = None
@@ -222,10 +277,10 @@ class SO2Convolution(nn.Module):
     def rotate_back(self, x_local: Tensor, wigner: Tensor) -> Tensor:
         """``x_local (E, F, ROW)`` → global ``(E, (L+1)², C_wide)`` with the l > 1 rescale."""
         n_edges = x_local.shape[0]
-        d = (self.lmax + 1) ** 2
         rows = x_local.view(n_edges, self.n_focus, n_reduced(self.lmax), self.focus_dim)
-        rows = rows.permute(0, 2, 1, 3).reshape(n_edges, -1, self.hidden)
-        d_rows = wigner[:, :d, :d].index_select(1, self.packed_rows)  # (E, Dm, D)
+        rows = rows.permute(0, 2, 1, 3).reshape(n_edges, n_reduced(self.lmax), self.hidden)
+        # Structural rows only, as the fused ops read them: off-block entries get no gradient.
+        d_rows = wigner_reduced_rows(wigner, self.lmax)  # (E, Dm, D)
         message = torch.bmm(d_rows.transpose(1, 2), rows)
         return message * self.rotate_back_rescale[:, None]
 
@@ -238,36 +293,102 @@ class SO2Convolution(nn.Module):
         fused: bool,
         live_weights: bool,
         taps: dict[str, Tensor] | None = None,
+        chunks: list[EdgeChunk] | None = None,
     ) -> Tensor:
-        """``x (N, (L+1)², C)``, radial features ``(E, L+1, C)`` → update ``(N, (L+1)², C)``."""
-        g = cache.graph
+        """``x (N, (L+1)², C)``, radial features ``(E, L+1, C)`` → update ``(N, (L+1)², C)``.
+
+        ``chunks`` (default: the whole graph) splits the per-edge pipeline by destination-node
+        ranges. With several chunks under autograd each chunk is checkpointed: its per-edge
+        activations (u0, z_all, x_local, …) are dropped after the forward and recomputed in
+        the backward, so they never exist for more than one chunk at a time.
+        """
         n_nodes = x.shape[0]
+        chunks = chunks if chunks is not None else [whole_graph(cache.graph)]
+        if taps is not None and len(chunks) != 1:
+            raise ValueError("taps need the whole graph as one edge chunk")
         wide = self.pre_focus_mix(x)
-        kc, cb, rad_l0 = self.radial_kernel(radial)
-        rotate_mix, mixing_stack = _value_path(fused)
-        u0 = rotate_mix(
-            wide, g.src, g.src_order, g.src_rowptr, cache.wigner, kc, cb,
-            self.lmax, self.n_focus, self.rank,
-        )  # fmt: skip
-        alpha = self.focus_alpha(u0)
-        stack = self.packed_stack(live=live_weights)
-        x_local, z_all, _ = mixing_stack(
-            u0, alpha, stack.w0_all, stack.w1_all, stack.gw_all,
-            self.lmax, self.focus_dim, self.compete_weight is not None,
-        )  # fmt: skip
-        message = self.rotate_back(x_local, cache.wigner)
-        if taps is not None:
-            taps.update(u0=u0, alpha=alpha, z_all=z_all, x_local=x_local, kc=kc)
         if self.attention is not None:
             x_l0 = wide[:, 0].view(n_nodes, self.n_focus, self.focus_dim)
-            out = self.attention(message, x_l0, rad_l0, cache)
+            q, k, gate = self.attention.node_terms(x_l0)
         else:
-            out = sum_into_dst(message * cache.env[:, None, None], g.dst, n_nodes)
-            out = out * cache.inv_sqrt_deg[:, None, None]
+            q = k = gate = wide.new_zeros(0)
+        stack = self.packed_stack(live=live_weights)
+        recompute = len(chunks) > 1 and torch.is_grad_enabled()
+        parts = []
+        for chunk in chunks:
+            edge_pass = partial(self._edge_pass, chunk, stack, fused, taps)
+            edge = chunk.edges
+            args = (wide, q, k, radial[edge], cache.wigner[edge], cache.env[edge],
+                    cache.inv_sqrt_deg)  # fmt: skip
+            if recompute:
+                parts.append(checkpoint(edge_pass, *args, use_reentrant=False))
+            else:
+                parts.append(edge_pass(*args))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.attention is not None:
+            d = out.shape[1]
+            heads = (
+                out.view(n_nodes, d, gate.shape[1], self.hidden // gate.shape[1])
+                * gate[:, None, :, None]
+            )
+            out = heads.view(n_nodes, d, self.hidden)
         if taps is not None:
             taps["post_focus_mix_in"] = out
         update: Tensor = self.post_focus_mix(out)
         return update
+
+    def _edge_pass(
+        self,
+        chunk: EdgeChunk,
+        stack: PackedStack,
+        fused: bool,
+        taps: dict[str, Tensor] | None,
+        wide: Tensor,
+        q: Tensor,
+        k: Tensor,
+        radial: Tensor,
+        wigner: Tensor,
+        env: Tensor,
+        inv_sqrt_deg: Tensor,
+    ) -> Tensor:
+        """The per-edge pipeline of one chunk → its nodes' aggregate ``(n_chunk, D, C_wide)``
+        (before the attention output gate).
+
+        ``wide (N, D, C_wide)``, ``q``/``k (N, F, Cf)`` cover all nodes; ``radial``, ``wigner``
+        and ``env`` are the chunk's edge rows.
+        """
+        kc, cb, rad_l0 = self.radial_kernel(radial)
+        rotate_mix, mixing_stack = _value_path(fused)
+        u0 = rotate_mix(
+            wide, chunk.src, chunk.src_order, chunk.src_rowptr, wigner, kc, cb,
+            self.lmax, self.n_focus, self.rank,
+        )  # fmt: skip
+        alpha = self.focus_alpha(u0)
+        x_local, z_all, _ = mixing_stack(
+            u0, alpha, stack.w0_all, stack.w1_all, stack.gw_all,
+            self.lmax, self.focus_dim, self.compete_weight is not None,
+        )  # fmt: skip
+        if taps is not None:
+            taps.update(u0=u0, alpha=alpha, z_all=z_all, x_local=x_local, kc=kc)
+        del u0, z_all  # the stack's autograd node keeps what its backward needs
+        ops = EdgeOps(chunk, fused)
+        if self.attention is not None:
+            weights = self.attention.edge_weights(q[chunk.nodes], k, rad_l0, env, ops)
+        else:
+            weights = (env * ops.from_dst(inv_sqrt_deg[chunk.nodes]))[:, None]
+        if fused:
+            return attention_aggregate(x_local, wigner, weights, chunk.dst_rowptr, self.lmax)
+        message = self.rotate_back(x_local, wigner)
+        n_edges, d = message.shape[:2]
+        if self.attention is None:
+            # DeePMD's order: env-weighted sum, then the degree normalisation of the centre.
+            out = sum_into_dst(message * env[:, None, None], chunk.dst, chunk.n_nodes)
+            return out * inv_sqrt_deg[chunk.nodes, None, None]
+        groups = weights.shape[1]
+        weighted = (
+            message.view(n_edges, d, groups, self.hidden // groups) * weights[:, None, :, None]
+        )
+        return sum_into_dst(weighted.view(n_edges, d, self.hidden), chunk.dst, chunk.n_nodes)
 
 
 def _value_path(fused: bool) -> tuple[Callable[..., Tensor], Callable[..., tuple[Tensor, ...]]]:

@@ -1,0 +1,584 @@
+"""``so2_attention_aggregate``: rotate back + l>1 rescale + edge weighting + dst CSR reduction.
+
+Layout contract
+---------------
+Operands (one device; the fused path needs float32 for the float operands):
+
+* ``x_local`` (E, F, ROW) edge-major stack output, ``ROW = (3L+1)·Cf`` m-major reduced rows
+  (:mod:`so2kernels._layout`); wide channel ``c = f·Cf + cf``, ``C_wide = F·Cf``.
+* ``wigner`` (E, Dw, Dw) global→local Wigner-D with ``Dw ≥ D = (L+1)²``; only the leading block
+  is read, through the real strides.
+* ``weights`` (E, G) per-edge weight of each channel group, ``G`` dividing ``C_wide``: channel
+  ``c`` belongs to group ``c // (C_wide/G)``. Attention passes the softmax weights with
+  ``G = F·H`` (group = (focus, head)); the scatter mode passes ``env·inv_sqrt_deg[dst]`` with
+  ``G = 1``.
+* ``dst_rowptr`` (N+1,) int64: edges are sorted by destination, node ``i`` owns edges
+  ``dst_rowptr[i] .. dst_rowptr[i+1]-1``; ``dst_rowptr[0] = 0`` and ``dst_rowptr[N] = E`` (not
+  checked here: that needs a device sync; the graph builder guarantees it).
+
+Math, per node i and its edges e, with reduced rows r of degree l(r) and packed row p(r)::
+
+    out[i, q, c] = s(l(q)) · Σ_e weights[e, g(c)] · Σ_{r: l(r)=l(q)} wigner[e, p(r), q] · x[e, r, c]
+
+where ``s(l) = √((2l+1)/3)`` for l > 1 and 1 otherwise (the inverse-rotation rescale for
+mmax=1). Only the structural non-zeros of the Wigner block are read (rows m' ∈ {-1, 0, +1} of
+each degree, that degree's columns); every other entry has gradient exactly 0. Output
+(N, D, C_wide); nodes without edges get 0.
+
+Fused schedule: one program per (node, channel block) walks the node's edge segment, rotating
+each edge's rows back in registers and accumulating the weighted sum in a (D, channels) register
+tile. The per-edge message (E, D, C_wide) is never written, and the sum runs in CSR order: no
+atomics, bitwise reproducible. The backward is node-centric as well: each program loads the
+node's output gradient once and, per edge, recomputes the local-frame gradient to form
+``grad x_local``, the structural ``grad wigner`` entries and ``grad weights`` (reduced over each
+group's channels in registers). Nothing per edge is saved by the forward.
+
+Second order (training): when the backward runs under ``create_graph`` it is composed from
+differentiable torch ops (:func:`attention_aggregate_backward_reference`), so a force loss can
+be differentiated again; the Triton backward serves the force path.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from so2kernels._dispatch import UnsupportedInputError, require_fp32, use_triton
+from so2kernels._layout import SUPPORTED_LMAX, n_coeff, n_reduced, reduced_to_packed_tensor
+from so2kernels.rotate_mix import structure_mask, wigner_reduced_rows
+
+__all__ = [
+    "attention_aggregate",
+    "attention_aggregate_backward_reference",
+    "attention_aggregate_reference",
+    "check_aggregate_inputs",
+]
+
+_OP = "so2_attention_aggregate"
+
+# ---------------------------------------------------------------------------------------------
+# Input checks (shapes and dtypes only: no device synchronisation)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_aggregate_inputs(
+    x_local: Tensor, wigner: Tensor, weights: Tensor, dst_rowptr: Tensor, lmax: int
+) -> None:
+    """Raise ``ValueError`` naming the operand whose shape or dtype disagrees with the contract."""
+    if lmax < 0:
+        raise ValueError(f"so2kernels.{_OP}: lmax must be >= 0, got {lmax}")
+    red, dim = n_reduced(lmax), n_coeff(lmax)
+    if x_local.dim() != 3 or x_local.shape[2] % red != 0:
+        raise ValueError(
+            f"so2kernels.{_OP}: x_local must be (E, F, ROW) with ROW a multiple of 3*lmax+1="
+            f"{red}, got {tuple(x_local.shape)}"
+        )
+    n_edge, n_focus, row = x_local.shape
+    c_wide = n_focus * (row // red)
+    if (
+        wigner.dim() != 3
+        or wigner.shape[0] != n_edge
+        or wigner.shape[1] != wigner.shape[2]
+        or wigner.shape[1] < dim
+    ):
+        raise ValueError(
+            f"so2kernels.{_OP}: wigner must be (E={n_edge}, Dw, Dw) with Dw >= {dim}, "
+            f"got {tuple(wigner.shape)}"
+        )
+    if weights.dim() != 2 or weights.shape[0] != n_edge or weights.shape[1] < 1:
+        raise ValueError(
+            f"so2kernels.{_OP}: weights must be (E={n_edge}, G>=1), got {tuple(weights.shape)}"
+        )
+    if c_wide % weights.shape[1] != 0:
+        raise ValueError(
+            f"so2kernels.{_OP}: the {weights.shape[1]} weight groups do not divide C_wide={c_wide}"
+        )
+    if dst_rowptr.dim() != 1 or dst_rowptr.dtype != torch.int64 or dst_rowptr.shape[0] < 1:
+        raise ValueError(f"so2kernels.{_OP}: dst_rowptr must be a 1-D int64 (N+1,) tensor")
+    if not (x_local.dtype == wigner.dtype == weights.dtype) or not x_local.is_floating_point():
+        raise ValueError(
+            f"so2kernels.{_OP}: x_local, wigner and weights must share one floating dtype, got "
+            f"{x_local.dtype}, {wigner.dtype}, {weights.dtype}"
+        )
+
+
+def _check_fused_regime(x_local: Tensor, wigner: Tensor, weights: Tensor, lmax: int) -> None:
+    if lmax not in SUPPORTED_LMAX:
+        raise UnsupportedInputError(
+            f"so2kernels.{_OP}: the fused path covers lmax 1..6, got {lmax}"
+        )
+    require_fp32(_OP, x_local=x_local, wigner=wigner, weights=weights)
+
+
+def _check_grad_out(grad_out: Tensor, x_local: Tensor, dst_rowptr: Tensor, lmax: int) -> None:
+    n_focus, row = x_local.shape[1], x_local.shape[2]
+    expected = (dst_rowptr.shape[0] - 1, n_coeff(lmax), n_focus * (row // n_reduced(lmax)))
+    if tuple(grad_out.shape) != expected:
+        raise ValueError(
+            f"so2kernels.{_OP}_bwd: grad_out must be (N, D, C_wide) = {expected}, "
+            f"got {tuple(grad_out.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager reference (any dtype; differentiable by autograd to any order)
+# ---------------------------------------------------------------------------------------------
+
+
+@cache
+def _rescale_values(lmax: int) -> tuple[float, ...]:
+    """Per packed row: √((2l+1)/3) for l > 1, else 1 (mmax = 1 inverse-rotation rescale)."""
+    return tuple(
+        max(1.0, ((2 * l + 1) / 3.0) ** 0.5) for l in range(lmax + 1) for _ in range(2 * l + 1)
+    )
+
+
+def rotate_back_rescale(lmax: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """(D,) rescale of every packed output row."""
+    return torch.tensor(_rescale_values(lmax), device=device, dtype=dtype)
+
+
+def dst_of_edges(dst_rowptr: Tensor, n_edge: int) -> Tensor:
+    """(E,) destination node of every edge from the CSR offsets (no host sync)."""
+    n_node = dst_rowptr.shape[0] - 1
+    counts = dst_rowptr[1:] - dst_rowptr[:-1]
+    nodes = torch.arange(n_node, device=dst_rowptr.device, dtype=torch.int64)
+    return torch.repeat_interleave(nodes, counts, output_size=n_edge)
+
+
+def _rows_channel_major(x_local: Tensor, lmax: int) -> Tensor:
+    """(E, F, ROW) → (E, 3L+1, C_wide) with ``c = f·Cf + cf``."""
+    n_edge, n_focus, row = x_local.shape
+    red = n_reduced(lmax)
+    return (
+        x_local.reshape(n_edge, n_focus, red, row // red)
+        .permute(0, 2, 1, 3)
+        .reshape(n_edge, red, n_focus * (row // red))
+    )
+
+
+def _rows_focus_major(rows: Tensor, n_focus: int) -> Tensor:
+    """(E, 3L+1, C_wide) → (E, F, ROW), the inverse of :func:`_rows_channel_major`."""
+    n_edge, red, c_wide = rows.shape
+    focus_dim = c_wide // n_focus
+    return (
+        rows.reshape(n_edge, red, n_focus, focus_dim)
+        .permute(0, 2, 1, 3)
+        .reshape(n_edge, n_focus, red * focus_dim)
+    )
+
+
+def _channel_weights(weights: Tensor, c_wide: int) -> Tensor:
+    """(E, G) → (E, C_wide): each group's weight repeated over its channels."""
+    return weights.repeat_interleave(c_wide // weights.shape[1], dim=1)
+
+
+def attention_aggregate_reference(
+    x_local: Tensor, wigner: Tensor, weights: Tensor, dst_rowptr: Tensor, lmax: int
+) -> Tensor:
+    """Ground truth of ``so2_attention_aggregate``: (N, D, C_wide). Materialises the messages."""
+    check_aggregate_inputs(x_local, wigner, weights, dst_rowptr, lmax)
+    n_edge = x_local.shape[0]
+    rows = _rows_channel_major(x_local, lmax)
+    weighted = rows * _channel_weights(weights, rows.shape[2])[:, None, :]
+    d_rows = wigner_reduced_rows(wigner, lmax)  # (E, 3L+1, D)
+    scale = rotate_back_rescale(lmax, x_local.device, x_local.dtype)
+    message = torch.bmm(d_rows.transpose(1, 2), weighted) * scale[:, None]
+    out = message.new_zeros((dst_rowptr.shape[0] - 1, *message.shape[1:]))
+    return out.index_add(0, dst_of_edges(dst_rowptr, n_edge), message)
+
+
+def attention_aggregate_backward_reference(
+    grad_out: Tensor,
+    x_local: Tensor,
+    wigner: Tensor,
+    weights: Tensor,
+    dst_rowptr: Tensor,
+    lmax: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Closed-form ``(grad x_local, grad wigner, grad weights)``, differentiable (training).
+
+    With ``g_e = s ⊙ grad_out[dst(e)]`` (rescaled node gradient) and ``ρ`` the structural
+    reduced Wigner rows: ``grad x = w_e ⊙ ρ·g_e``; ``grad ρ[r, q] = Σ_c g_e[q, c]·w_e·x[r, c]``;
+    ``grad w_e[g] = Σ_{c ∈ g} Σ_r (ρ·g_e)[r, c]·x[r, c]``.
+    """
+    check_aggregate_inputs(x_local, wigner, weights, dst_rowptr, lmax)
+    _check_grad_out(grad_out, x_local, dst_rowptr, lmax)
+    n_edge, n_focus = x_local.shape[:2]
+    dim = n_coeff(lmax)
+    scale = rotate_back_rescale(lmax, x_local.device, x_local.dtype)
+    g_edge = (grad_out * scale[:, None]).index_select(0, dst_of_edges(dst_rowptr, n_edge))
+    d_rows = wigner_reduced_rows(wigner, lmax)  # (E, 3L+1, D), structural zeros applied
+    rows = _rows_channel_major(x_local, lmax)
+    c_wide = rows.shape[2]
+    w_chan = _channel_weights(weights, c_wide)
+    g_local = torch.bmm(d_rows, g_edge)  # (E, 3L+1, C_wide)
+    grad_x = _rows_focus_major(g_local * w_chan[:, None, :], n_focus)
+    n_group = weights.shape[1]
+    grad_weights = (g_local * rows).sum(1).reshape(n_edge, n_group, c_wide // n_group).sum(2)
+    grad_rows = torch.bmm(rows * w_chan[:, None, :], g_edge.transpose(1, 2))  # (E, 3L+1, D)
+    grad_rows = grad_rows * structure_mask(lmax, x_local.device, x_local.dtype)
+    # Place the reduced rows at their packed rows: (D, 3L+1) one-hot selector.
+    selector = torch.zeros(dim, n_reduced(lmax), device=x_local.device, dtype=x_local.dtype)
+    packed = reduced_to_packed_tensor(lmax, x_local.device)
+    selector[packed, torch.arange(packed.shape[0], device=x_local.device)] = 1.0
+    grad_block = torch.einsum("pr,erq->epq", selector, grad_rows)
+    pad = wigner.shape[1] - dim
+    grad_wigner = torch.nn.functional.pad(grad_block, (0, pad, 0, pad))
+    return grad_x, grad_wigner, grad_weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels. A node program walks its dst segment BLOCK_E edges at a time; tiles are
+# (BLOCK_E, DP, BC): edges × packed rows (D padded to a power of two) × channel lanes (masked).
+# Every offset that scales with E or N is int64.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, row: tl.constexpr, l: tl.constexpr):
+    """``wigner[e, row, q]`` for the columns q of degree l's block (0 elsewhere): (BLOCK_E, DP)."""
+    in_block = (cols >= l * l) & (cols < (l + 1) * (l + 1))
+    return tl.load(
+        w_edge[:, None] + row * w_sr + (cols * w_sc)[None, :],
+        mask=e_mask[:, None] & in_block[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _aggregate_fwd_kernel(
+    x_ptr, w_ptr, wt_ptr, rowptr_ptr, scale_ptr, out_ptr,
+    x_se, w_se, w_sr, w_sc, wt_se, wt_sg,
+    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, GW: tl.constexpr,
+    DP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    ROW: tl.constexpr = (3 * L + 1) * CF
+    D: tl.constexpr = (L + 1) * (L + 1)
+    node = tl.program_id(0).to(tl.int64)
+    chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = chan < CW
+    # Channel c = f·CF + cf sits at f·ROW + r·CF + cf inside an edge's (F, ROW) row.
+    x_chan = (chan // CF) * ROW + chan % CF
+    group = chan // GW
+    cols = tl.arange(0, DP)
+    first = tl.load(rowptr_ptr + node)
+    stop = tl.load(rowptr_ptr + node + 1)
+    acc = tl.zeros((DP, BLOCK_C), dtype=tl.float32)
+    for k0 in range(first, stop, BLOCK_E):
+        edges = k0 + tl.arange(0, BLOCK_E)
+        e_mask = edges < stop
+        tile_mask = e_mask[:, None] & c_mask[None, :]
+        weight = tl.load(
+            wt_ptr + (edges * wt_se)[:, None] + (group * wt_sg)[None, :], mask=tile_mask, other=0.0
+        )
+        x_edge = x_ptr + (edges * x_se)[:, None] + x_chan[None, :]
+        w_edge = w_ptr + edges * w_se
+        for l in tl.static_range(L + 1):
+            centre = l * l + l
+            xr = tl.load(x_edge + l * CF, mask=tile_mask, other=0.0) * weight
+            d_row = _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, centre, l)
+            acc += tl.sum(d_row[:, :, None] * xr[:, None, :], axis=0)
+            if l > 0:
+                xr = tl.load(x_edge + (L + l) * CF, mask=tile_mask, other=0.0) * weight
+                d_row = _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, centre - 1, l)
+                acc += tl.sum(d_row[:, :, None] * xr[:, None, :], axis=0)
+                xr = tl.load(x_edge + (2 * L + l) * CF, mask=tile_mask, other=0.0) * weight
+                d_row = _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, centre + 1, l)
+                acc += tl.sum(d_row[:, :, None] * xr[:, None, :], axis=0)
+    scale = tl.load(scale_ptr + cols, mask=cols < D, other=0.0)
+    out = out_ptr + node * (D * CW) + (cols * CW)[:, None] + chan[None, :]
+    tl.store(out, acc * scale[:, None], mask=(cols < D)[:, None] & c_mask[None, :])
+
+
+@triton.jit
+def _aggregate_bwd_row(
+    g, x_edge, gx_edge, w_edge, gw_edge, weight, e_mask, tile_mask, cols,
+    w_sr, w_sc, gw_sr, gw_sc,
+    row: tl.constexpr, l: tl.constexpr, r: tl.constexpr, CF: tl.constexpr,
+):  # fmt: skip
+    """One reduced row r (packed ``row``, degree l) of one edge block: stores ``grad x_local``
+    and the structural ``grad wigner`` entries, returns the (BLOCK_E, BC) channel products that
+    sum to ``grad weights``."""
+    d_row = _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, row, l)
+    g_local = tl.sum(d_row[:, :, None] * g[None, :, :], axis=1)
+    xr = tl.load(x_edge + r * CF, mask=tile_mask, other=0.0)
+    tl.store(gx_edge + r * CF, g_local * weight, mask=tile_mask)
+    grad_row = tl.sum(g[None, :, :] * (xr * weight)[:, None, :], axis=2)
+    in_block = (cols >= l * l) & (cols < (l + 1) * (l + 1))
+    tl.store(
+        gw_edge[:, None] + row * gw_sr + (cols * gw_sc)[None, :],
+        grad_row,
+        mask=e_mask[:, None] & in_block[None, :],
+    )
+    return g_local * xr
+
+
+@triton.jit
+def _aggregate_bwd_kernel(
+    gout_ptr, x_ptr, w_ptr, wt_ptr, rowptr_ptr, scale_ptr,
+    gx_ptr, gw_ptr, gwt_ptr,
+    x_se, w_se, w_sr, w_sc, wt_se, wt_sg, gw_se, gw_sr, gw_sc,
+    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, GW: tl.constexpr, G: tl.constexpr,
+    GP: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    ROW: tl.constexpr = (3 * L + 1) * CF
+    D: tl.constexpr = (L + 1) * (L + 1)
+    node = tl.program_id(0).to(tl.int64)
+    chan = tl.arange(0, BC)
+    c_mask = chan < CW
+    x_chan = (chan // CF) * ROW + chan % CF
+    group = chan // GW
+    cols = tl.arange(0, DP)
+    scale = tl.load(scale_ptr + cols, mask=cols < D, other=0.0)
+    g = (
+        tl.load(
+            gout_ptr + node * (D * CW) + (cols * CW)[:, None] + chan[None, :],
+            mask=(cols < D)[:, None] & c_mask[None, :],
+            other=0.0,
+        )
+        * scale[:, None]
+    )
+    # (GP, BC) selector summing a group's channels into its weight gradient.
+    groups = tl.arange(0, GP)
+    selector = ((group[None, :] == groups[:, None]) & c_mask[None, :]).to(tl.float32)
+    first = tl.load(rowptr_ptr + node)
+    stop = tl.load(rowptr_ptr + node + 1)
+    for k0 in range(first, stop, BLOCK_E):
+        edges = k0 + tl.arange(0, BLOCK_E)
+        e_mask = edges < stop
+        tile_mask = e_mask[:, None] & c_mask[None, :]
+        weight = tl.load(
+            wt_ptr + (edges * wt_se)[:, None] + (group * wt_sg)[None, :], mask=tile_mask, other=0.0
+        )
+        x_edge = x_ptr + (edges * x_se)[:, None] + x_chan[None, :]
+        gx_edge = gx_ptr + (edges * x_se)[:, None] + x_chan[None, :]
+        w_edge = w_ptr + edges * w_se
+        gw_edge = gw_ptr + edges * gw_se
+        products = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
+        for l in tl.static_range(L + 1):
+            centre = l * l + l
+            products += _aggregate_bwd_row(
+                g, x_edge, gx_edge, w_edge, gw_edge, weight, e_mask, tile_mask, cols,
+                w_sr, w_sc, gw_sr, gw_sc, centre, l, l, CF,
+            )  # fmt: skip
+            if l > 0:
+                products += _aggregate_bwd_row(
+                    g, x_edge, gx_edge, w_edge, gw_edge, weight, e_mask, tile_mask, cols,
+                    w_sr, w_sc, gw_sr, gw_sc, centre - 1, l, L + l, CF,
+                )  # fmt: skip
+                products += _aggregate_bwd_row(
+                    g, x_edge, gx_edge, w_edge, gw_edge, weight, e_mask, tile_mask, cols,
+                    w_sr, w_sc, gw_sr, gw_sc, centre + 1, l, 2 * L + l, CF,
+                )  # fmt: skip
+        grad_weight = tl.sum(products[:, None, :] * selector[None, :, :], axis=2)
+        tl.store(
+            gwt_ptr + (edges * G)[:, None] + groups[None, :],
+            grad_weight,
+            mask=e_mask[:, None] & (groups < G)[None, :],
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+_INTERPRETER_BLOCK_E = 16
+"""Under TRITON_INTERPRET the cost is programs × ops: walk segments in wide edge blocks."""
+
+
+def _block_e(device: torch.device) -> int:
+    # On the GPU one edge per step keeps the (BLOCK_E, DP, BC) temporaries in registers; the
+    # neighbour segments (~10²) give each program a long enough loop to hide load latency.
+    return 1 if device.type == "cuda" else _INTERPRETER_BLOCK_E
+
+
+def _num_warps(dp: int, lanes: int) -> int:
+    """Enough warps that a (DP, lanes) fp32 tile takes ≤ ~32 registers per thread."""
+    warps: int = triton.next_power_of_2(-(-dp * lanes // (32 * 32)))
+    return min(16, max(4, warps))
+
+
+def _shape(x_local: Tensor, weights: Tensor, lmax: int) -> tuple[int, int, int, int]:
+    """``(C_wide, Cf, group width, DP)``."""
+    focus_dim = x_local.shape[2] // n_reduced(lmax)
+    c_wide = x_local.shape[1] * focus_dim
+    return c_wide, focus_dim, c_wide // weights.shape[1], triton.next_power_of_2(n_coeff(lmax))
+
+
+def launch_aggregate_fwd(
+    x_local: Tensor, wigner: Tensor, weights: Tensor, dst_rowptr: Tensor, lmax: int
+) -> Tensor:
+    """Forward kernel; ``x_local`` contiguous."""
+    n_node = dst_rowptr.shape[0] - 1
+    c_wide, focus_dim, group_width, dp = _shape(x_local, weights, lmax)
+    out = x_local.new_empty((n_node, n_coeff(lmax), c_wide))
+    if n_node == 0 or c_wide == 0:
+        return out
+    block_c = min(triton.next_power_of_2(c_wide), 128)
+    scale = rotate_back_rescale(lmax, x_local.device, torch.float32)
+    grid = (n_node, triton.cdiv(c_wide, block_c))
+    wrap_triton(_aggregate_fwd_kernel)[grid](
+        x_local, wigner, weights, dst_rowptr, scale, out,
+        x_local.stride(0), wigner.stride(0), wigner.stride(1), wigner.stride(2),
+        weights.stride(0), weights.stride(1),
+        L=lmax, CF=focus_dim, CW=c_wide, GW=group_width, DP=dp, BLOCK_C=block_c,
+        BLOCK_E=_block_e(x_local.device), num_warps=_num_warps(dp, block_c),
+    )  # fmt: skip
+    return out
+
+
+def launch_aggregate_bwd(
+    grad_out: Tensor,
+    x_local: Tensor,
+    wigner: Tensor,
+    weights: Tensor,
+    dst_rowptr: Tensor,
+    lmax: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward kernel; ``grad_out`` and ``x_local`` contiguous."""
+    n_node = dst_rowptr.shape[0] - 1
+    n_group = weights.shape[1]
+    c_wide, focus_dim, group_width, dp = _shape(x_local, weights, lmax)
+    grad_x = torch.empty_like(x_local)
+    # Zero-filled: the kernel writes only the structural entries.
+    grad_wigner = torch.zeros(wigner.shape, device=wigner.device, dtype=wigner.dtype)
+    grad_weights = weights.new_empty(weights.shape).contiguous()
+    if n_node == 0 or x_local.shape[0] == 0:
+        return grad_x, grad_wigner, grad_weights
+    lanes = triton.next_power_of_2(c_wide)
+    scale = rotate_back_rescale(lmax, x_local.device, torch.float32)
+    wrap_triton(_aggregate_bwd_kernel)[(n_node,)](
+        grad_out, x_local, wigner, weights, dst_rowptr, scale,
+        grad_x, grad_wigner, grad_weights,
+        x_local.stride(0), wigner.stride(0), wigner.stride(1), wigner.stride(2),
+        weights.stride(0), weights.stride(1),
+        grad_wigner.stride(0), grad_wigner.stride(1), grad_wigner.stride(2),
+        L=lmax, CF=focus_dim, CW=c_wide, GW=group_width, G=n_group,
+        GP=triton.next_power_of_2(n_group), DP=dp, BC=lanes,
+        BLOCK_E=_block_e(x_local.device), num_warps=_num_warps(dp, lanes),
+    )  # fmt: skip
+    return grad_x, grad_wigner, grad_weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Op registration
+# ---------------------------------------------------------------------------------------------
+
+
+@triton_op(f"so2kernels::{_OP}", mutates_args=())
+def _aggregate_op(
+    x_local: Tensor, wigner: Tensor, weights: Tensor, dst_rowptr: Tensor, lmax: int
+) -> Tensor:
+    check_aggregate_inputs(x_local, wigner, weights, dst_rowptr, lmax)
+    if not use_triton(x_local, wigner, weights, dst_rowptr):
+        return attention_aggregate_reference(x_local, wigner, weights, dst_rowptr, lmax)
+    _check_fused_regime(x_local, wigner, weights, lmax)
+    return launch_aggregate_fwd(x_local.contiguous(), wigner, weights, dst_rowptr, lmax)
+
+
+@_aggregate_op.register_fake
+def _aggregate_fake(
+    x_local: Tensor, wigner: Tensor, weights: Tensor, dst_rowptr: Tensor, lmax: int
+) -> Tensor:
+    check_aggregate_inputs(x_local, wigner, weights, dst_rowptr, lmax)
+    c_wide = x_local.shape[1] * (x_local.shape[2] // n_reduced(lmax))
+    return x_local.new_empty((dst_rowptr.shape[0] - 1, n_coeff(lmax), c_wide))
+
+
+@triton_op(f"so2kernels::{_OP}_bwd", mutates_args=())
+def _aggregate_bwd_op(
+    grad_out: Tensor,
+    x_local: Tensor,
+    wigner: Tensor,
+    weights: Tensor,
+    dst_rowptr: Tensor,
+    lmax: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    check_aggregate_inputs(x_local, wigner, weights, dst_rowptr, lmax)
+    _check_grad_out(grad_out, x_local, dst_rowptr, lmax)
+    if not use_triton(grad_out, x_local, wigner, weights, dst_rowptr):
+        return attention_aggregate_backward_reference(
+            grad_out, x_local, wigner, weights, dst_rowptr, lmax
+        )
+    _check_fused_regime(x_local, wigner, weights, lmax)
+    require_fp32(f"{_OP}_bwd", grad_out=grad_out)
+    return launch_aggregate_bwd(
+        grad_out.contiguous(), x_local.contiguous(), wigner, weights, dst_rowptr, lmax
+    )
+
+
+@_aggregate_bwd_op.register_fake
+def _aggregate_bwd_fake(
+    grad_out: Tensor,
+    x_local: Tensor,
+    wigner: Tensor,
+    weights: Tensor,
+    dst_rowptr: Tensor,
+    lmax: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_grad_out(grad_out, x_local, dst_rowptr, lmax)
+    return (
+        x_local.new_empty(x_local.shape),
+        wigner.new_empty(wigner.shape),
+        weights.new_empty(weights.shape),
+    )
+
+
+def _aggregate_setup_context(
+    ctx: Any, inputs: tuple[Tensor, Tensor, Tensor, Tensor, int], output: Tensor
+) -> None:
+    x_local, wigner, weights, dst_rowptr, lmax = inputs
+    ctx.save_for_backward(x_local, wigner, weights, dst_rowptr)
+    ctx.lmax = lmax
+
+
+def _aggregate_backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    """Triton first order; the differentiable closed form under ``create_graph``."""
+    x_local, wigner, weights, dst_rowptr = ctx.saved_tensors
+    if torch.is_grad_enabled():
+        grads = attention_aggregate_backward_reference(
+            grad_out, x_local, wigner, weights, dst_rowptr, ctx.lmax
+        )
+    else:
+        grads = torch.ops.so2kernels.so2_attention_aggregate_bwd(
+            grad_out, x_local, wigner, weights, dst_rowptr, ctx.lmax
+        )
+    needs = ctx.needs_input_grad
+    grad_x, grad_wigner, grad_weights = grads
+    return (
+        grad_x if needs[0] else None,
+        grad_wigner if needs[1] else None,
+        grad_weights if needs[2] else None,
+        None,
+        None,
+    )
+
+
+_aggregate_op.register_autograd(_aggregate_backward, setup_context=_aggregate_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed Python entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_aggregate(
+    x_local: Tensor, wigner: Tensor, weights: Tensor, dst_rowptr: Tensor, lmax: int
+) -> Tensor:
+    """``torch.ops.so2kernels.so2_attention_aggregate``: (N, D, C_wide); see the module docstring.
+
+    Raises:
+        ValueError: operand shapes or dtypes disagree with the layout contract.
+        UnsupportedInputError: the fused path got a non-float32 operand or lmax outside 1..6.
+    """
+    out: Tensor = torch.ops.so2kernels.so2_attention_aggregate(
+        x_local, wigner, weights, dst_rowptr, int(lmax)
+    )
+    return out

@@ -1,0 +1,309 @@
+"""so2kernels.so2_attention_aggregate: fused op vs eager reference (values, gradients, regimes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  (fixture)
+
+from so2kernels._dispatch import UnsupportedInputError
+from so2kernels.aggregate import (
+    attention_aggregate,
+    attention_aggregate_backward_reference,
+    attention_aggregate_reference,
+)
+
+Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def make_operands(
+    lmax: int,
+    focus_dim: int,
+    n_focus: int,
+    n_groups: int,
+    counts: list[int],
+    wigner_dim: int | None = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> Operands:
+    """``(x_local (E, F, ROW), wigner (E, Dw, Dw), weights (E, G), dst_rowptr (N+1,))``.
+
+    ``counts[i]`` edges end at node i (zeros give nodes without edges). The Wigner operand is
+    random, not orthogonal: every entry the op must ignore is non-zero.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    n_edge = sum(counts)
+    dim = wigner_dim or (lmax + 1) ** 2
+    x_local = torch.randn(n_edge, n_focus, (3 * lmax + 1) * focus_dim, generator=gen)
+    wigner = torch.randn(n_edge, dim, dim, generator=gen)
+    weights = torch.rand(n_edge, n_groups, generator=gen)
+    rowptr = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    rowptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
+    return tuple(t.to(device) for t in (x_local, wigner, weights, rowptr))  # type: ignore[return-value]
+
+
+# (lmax, focus_dim, n_focus, n_groups, counts, wigner_dim): attention heads (G = F·H), the
+# scatter mode (G = 1), padded widths (Cf 96), a wider Wigner cache, empty segments.
+CASES = [
+    (1, 32, 1, 1, [3, 0, 5], None),
+    (2, 32, 2, 4, [5, 0, 7, 1, 17, 0], 16),
+    (2, 96, 1, 2, [2, 9, 4], None),
+    (3, 64, 2, 2, [0, 6, 1, 3], None),
+    (2, 128, 1, 1, [33, 4], 25),
+    (6, 32, 1, 1, [2, 3], None),
+]
+
+
+def _leaves(ops: Operands, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [t.detach().to(dtype).requires_grad_() for t in ops[:3]]
+
+
+@pytest.mark.parametrize(("lmax", "focus_dim", "n_focus", "n_groups", "counts", "dw"), CASES)
+def test_values_and_gradients(
+    poisoned_alloc: None,  # noqa: F811
+    lmax: int,
+    focus_dim: int,
+    n_focus: int,
+    n_groups: int,
+    counts: list[int],
+    dw: int | None,
+) -> None:
+    ops = make_operands(lmax, focus_dim, n_focus, n_groups, counts, dw)
+    rowptr = ops[3]
+    fused_in = _leaves(ops, torch.float32)
+    out = attention_aggregate(*fused_in, rowptr, lmax)
+    ref_in = _leaves(ops, torch.float64)
+    ref = attention_aggregate_reference(*ref_in, rowptr, lmax)
+    assert_normwise_close(out, ref, 1e-6)
+    empty_nodes = torch.tensor(counts) == 0
+    assert bool((out[empty_nodes] == 0).all())
+    grad_out = torch.randn_like(ref)
+    got = torch.autograd.grad(out, fused_in, grad_out.float())
+    want = torch.autograd.grad(ref, ref_in, grad_out)
+    for g, w in zip(got, want, strict=True):
+        assert_normwise_close(g, w, 2e-6)
+    # Entries the op must not read get exactly zero gradient.
+    assert bool((got[1][want[1] == 0] == 0).all())
+
+
+def test_backward_closed_form_matches_autograd() -> None:
+    lmax = 2
+    ops = make_operands(lmax, 32, 2, 4, [4, 0, 6], 16)
+    leaves = _leaves(ops, torch.float64)
+    out = attention_aggregate_reference(*leaves, ops[3], lmax)
+    grad_out = torch.randn_like(out)
+    want = torch.autograd.grad(out, leaves, grad_out)
+    got = attention_aggregate_backward_reference(grad_out, *leaves, ops[3], lmax)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_second_order_through_op() -> None:
+    """Under ``create_graph`` the op's backward is differentiable (training's force loss)."""
+    lmax = 2
+    ops = make_operands(lmax, 32, 1, 1, [3, 4], None, seed=3)
+    grad_out = torch.randn(2, 9, 32, dtype=torch.float64)
+    results = []
+    for fn, dtype in (
+        (attention_aggregate, torch.float32),
+        (attention_aggregate_reference, torch.float64),
+    ):
+        leaves = _leaves(ops, dtype)
+        out = fn(*leaves, ops[3], lmax)
+        first = torch.autograd.grad(out, leaves, grad_out.to(dtype), create_graph=True)
+        loss = sum((g * g).sum() for g in first)
+        results.append(torch.autograd.grad(loss, leaves))
+    for g, w in zip(*results, strict=True):
+        assert_normwise_close(g, w, 1e-5)
+
+
+def test_deterministic(poisoned_alloc: None) -> None:  # noqa: F811
+    ops = make_operands(2, 32, 2, 2, [7, 1, 9])
+    leaves = _leaves(ops, torch.float32)
+    first = attention_aggregate(*leaves, ops[3], 2)
+    grads = torch.autograd.grad(first, leaves, torch.ones_like(first))
+    again = attention_aggregate(*leaves, ops[3], 2)
+    grads_again = torch.autograd.grad(again, leaves, torch.ones_like(again))
+    assert torch.equal(first, again)
+    for a, b in zip(grads, grads_again, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_zero_edges_and_zero_nodes() -> None:
+    ops = make_operands(2, 32, 1, 1, [0, 0, 0])
+    leaves = _leaves(ops, torch.float32)
+    out = attention_aggregate(*leaves, ops[3], 2)
+    assert out.shape == (3, 9, 32) and bool((out == 0).all())
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert [tuple(g.shape) for g in grads] == [tuple(t.shape) for t in leaves]
+    none = make_operands(2, 32, 1, 1, [])
+    assert attention_aggregate(*none[:3], none[3], 2).shape == (0, 9, 32)
+
+
+def test_bad_inputs() -> None:
+    x_local, wigner, weights, rowptr = make_operands(2, 32, 2, 4, [3, 2])
+    with pytest.raises(UnsupportedInputError, match="float32"):
+        attention_aggregate(x_local.double(), wigner.double(), weights.double(), rowptr, 2)
+    with pytest.raises(ValueError, match="share one floating dtype"):
+        attention_aggregate(x_local, wigner.double(), weights, rowptr, 2)
+    with pytest.raises(ValueError, match="wigner must be"):
+        attention_aggregate(x_local, wigner[:, :4, :4], weights, rowptr, 2)
+    with pytest.raises(ValueError, match="do not divide"):
+        attention_aggregate(x_local, wigner, weights[:, :3], rowptr, 2)
+    with pytest.raises(ValueError, match="x_local must be"):
+        attention_aggregate(x_local[:, :, 1:], wigner, weights, rowptr, 2)
+    with pytest.raises(ValueError, match="dst_rowptr"):
+        attention_aggregate(x_local, wigner, weights, rowptr.int(), 2)
+
+
+def test_reference_runs_any_dtype() -> None:
+    ops = make_operands(1, 32, 1, 1, [2, 3])
+    half = [t.to(torch.bfloat16) for t in ops[:3]]
+    out = attention_aggregate_reference(*half, ops[3], 1)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 4, 32)
+
+
+def test_opcheck() -> None:
+    x_local, wigner, weights, rowptr = make_operands(2, 32, 2, 2, [3, 0, 4], 16)
+    torch.library.opcheck(
+        torch.ops.so2kernels.so2_attention_aggregate,
+        (x_local.requires_grad_(), wigner.requires_grad_(), weights.requires_grad_(), rowptr, 2),
+    )
+    grad_out = torch.randn(3, 9, 64)
+    torch.library.opcheck(
+        torch.ops.so2kernels.so2_attention_aggregate_bwd,
+        (grad_out, x_local.detach(), wigner.detach(), weights.detach(), rowptr, 2),
+    )
+
+
+def test_compile_aot_eager() -> None:
+    ops = make_operands(1, 32, 1, 1, [2, 5])
+    leaves = _leaves(ops, torch.float32)
+
+    def energy(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return attention_aggregate(x, w, a, ops[3], 1).square().sum()
+
+    compiled = torch.compile(energy, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    want = torch.autograd.grad(energy(*leaves), leaves)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation for the H200 (sm_90) without a GPU: catches frontend/lowering errors that the
+# interpreter cannot see.
+# ---------------------------------------------------------------------------------------------
+
+
+def compile_all_for_sm90() -> int:
+    """Compile both kernels for sm_90 in the regimes the model uses; returns the count."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from so2kernels import aggregate
+
+    regimes = [(2, 128, 1, 1), (2, 128, 1, 1 * 1), (3, 128, 2, 4), (6, 256, 2, 8), (1, 96, 1, 1)]
+    n_compiled = 0
+    for lmax, c_wide, n_focus, n_groups in regimes:
+        focus_dim, dp = c_wide // n_focus, triton.next_power_of_2((lmax + 1) ** 2)
+        lanes = triton.next_power_of_2(c_wide)
+        shared = {"L": lmax, "CF": focus_dim, "CW": c_wide, "GW": c_wide // n_groups, "DP": dp}
+        kernels = [
+            (
+                aggregate._aggregate_fwd_kernel,
+                ["x", "w", "wt", "rowptr", "scale", "out"],
+                ["x_se", "w_se", "w_sr", "w_sc", "wt_se", "wt_sg"],
+                {**shared, "BLOCK_C": min(lanes, 128), "BLOCK_E": 1},
+                aggregate._num_warps(dp, min(lanes, 128)),
+            ),
+            (
+                aggregate._aggregate_bwd_kernel,
+                ["gout", "x", "w", "wt", "rowptr", "scale", "gx", "gw", "gwt"],
+                ["x_se", "w_se", "w_sr", "w_sc", "wt_se", "wt_sg", "gw_se", "gw_sr", "gw_sc"],
+                {
+                    **shared,
+                    "G": n_groups,
+                    "GP": triton.next_power_of_2(n_groups),
+                    "BC": lanes,
+                    "BLOCK_E": 1,
+                },
+                aggregate._num_warps(dp, lanes),
+            ),
+        ]
+        for fn, pointers, strides, consts, warps in kernels:
+            signature = {f"{p}_ptr": "*i64" if p == "rowptr" else "*fp32" for p in pointers}
+            signature.update(dict.fromkeys(strides, "i64"))
+            signature.update(dict.fromkeys(consts, "constexpr"))
+            source = ASTSource(fn=fn, signature=signature, constexprs=consts)
+            compiled = triton.compile(
+                source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
+            )
+            assert compiled.asm["cubin"]
+            n_compiled += 1
+    return n_compiled
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90() -> None:
+    here = Path(__file__).resolve()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = (
+        f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here.parents[2])!r}]; "
+        "import test_aggregate as t; print(t.compile_all_for_sm90())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert int(result.stdout.split()[-1]) == 10
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (the lead runs these on the H200)
+# ---------------------------------------------------------------------------------------------
+
+
+def _node_sample(ops: Operands, nodes: torch.Tensor) -> tuple[Operands, torch.Tensor]:
+    """The sub-problem of some nodes (all their edges): exact for those nodes' outputs."""
+    x_local, wigner, weights, rowptr = ops
+    counts = rowptr[1:] - rowptr[:-1]
+    edges = torch.cat([torch.arange(int(rowptr[n]), int(rowptr[n + 1])) for n in nodes.tolist()])
+    edges = edges.to(x_local.device)
+    sub_ptr = torch.zeros(len(nodes) + 1, dtype=torch.int64, device=rowptr.device)
+    sub_ptr[1:] = torch.cumsum(counts[nodes], 0)
+    return (x_local[edges], wigner[edges], weights[edges], sub_ptr), edges
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("lmax", "focus_dim", "n_focus", "n_groups"), [(2, 128, 1, 1), (3, 64, 2, 4)]
+)
+def test_gpu_realistic_size(lmax: int, focus_dim: int, n_focus: int, n_groups: int) -> None:
+    """E ≈ 1e6 (11k nodes × ~90 edges): values and gradients vs fp64 on sampled nodes."""
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.randint(60, 121, (11_000,), generator=gen)
+    counts[::997] = 0
+    ops = make_operands(lmax, focus_dim, n_focus, n_groups, counts.tolist(), 16, device="cuda")
+    leaves = _leaves(ops, torch.float32)
+    out = attention_aggregate(*leaves, ops[3], lmax)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    for t in (out, *grads):
+        assert bool(torch.isfinite(t).all())
+    nodes = torch.cat([torch.arange(0, 8), torch.randint(0, 11_000, (64,)), torch.tensor([10_999])])
+    sub, edges = _node_sample(ops, nodes)
+    ref_in = _leaves(sub, torch.float64)
+    ref = attention_aggregate_reference(*ref_in, sub[3], lmax)
+    ref_grads = torch.autograd.grad(ref, ref_in, grad_out[nodes.cuda()].double())
+    assert_normwise_close(out[nodes.cuda()], ref, 1e-6)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert_normwise_close(got[edges], want, 2e-6)
+    again = attention_aggregate(*leaves, ops[3], lmax)
+    assert torch.equal(out, again), "the CSR reduction must be bitwise reproducible"
