@@ -1,0 +1,32 @@
+"""The evaluation engine: admission, dynamic batching, the device worker and metrics."""
+
+from service.engine.batcher import BatchLimits, Engine, EvaluationResult, EvaluationTimings
+from service.engine.errors import (
+    EngineClosedError,
+    EngineError,
+    EvaluationFailedError,
+    QueueFullError,
+    StructureTooLargeError,
+    TooManyAtomsError,
+)
+from service.engine.evaluator import PROPERTIES, Evaluator
+from service.engine.metrics import ServiceMetrics
+from service.engine.worker import BatchOutput, Worker
+
+__all__ = [
+    "PROPERTIES",
+    "BatchLimits",
+    "BatchOutput",
+    "Engine",
+    "EngineClosedError",
+    "EngineError",
+    "EvaluationFailedError",
+    "EvaluationResult",
+    "EvaluationTimings",
+    "Evaluator",
+    "QueueFullError",
+    "ServiceMetrics",
+    "StructureTooLargeError",
+    "TooManyAtomsError",
+    "Worker",
+]

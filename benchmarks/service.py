@@ -1,0 +1,336 @@
+"""Service benchmark (GPU; the lead runs it): HTTP overhead and throughput vs in-process.
+
+    python benchmarks/service.py [--model FILE] [--device cuda] [--duration 10]
+
+1. Per-request overhead: one water box of 192, 1,536 and 12,288 atoms, energy + forces, as
+   the in-process calculator sees it (``Structures.from_atoms`` → ``predict`` → host arrays)
+   and as an HTTP client sees it (encode → POST /evaluate → decode), JSON and msgpack;
+   medians, overhead = HTTP − in-process. Target: ≤ 1 ms at ≤ 1k atoms.
+2. Throughput with 192-atom structures: 1, 8 and 64 concurrent HTTP clients (spread over
+   several client processes so that Python on the client side is not the bottleneck) vs the
+   in-process potential serially (one structure per pass) and batched (64 per pass).
+   Target: 64 clients ≥ 80 % of in-process batched.
+
+The server runs in its own process (``so2serve serve``), started after the in-process phase
+has released the GPU memory. Without ``--model`` the shipped default model is used, or, if
+there is none yet, a random model of DeePMD's bar configuration (benchmarks/model.py).
+Raw numbers go to ``benchmarks/results/service-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.util
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+from ase import Atoms
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clients.http import decode_response, encode_request, encode_structure  # noqa: E402
+from service.graph.structures import Structures  # noqa: E402
+from service.model.potential import Potential, default_model_path, load_potential  # noqa: E402
+
+SIZES = (192, 1536, 12288)
+CLIENTS = (1, 8, 64)
+PROPERTIES = ("energy", "forces")
+JSON, MSGPACK = "application/json", "application/msgpack"
+
+
+def _bench_model_module() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_model", ROOT / "benchmarks" / "model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def water_atoms(n_atoms: int, seed: int = 0) -> Atoms:
+    """A water box tiled from the 192-atom frame, jittered so that frames differ."""
+    numbers, positions, cell = _bench_model_module().water_frame()
+    reps = max(1, round((n_atoms / len(numbers)) ** (1 / 3)))
+    atoms: Atoms = Atoms(numbers=numbers, positions=positions, cell=cell, pbc=True) * ((reps,) * 3)
+    atoms.positions += np.random.default_rng(seed).normal(scale=0.01, size=atoms.positions.shape)
+    return atoms
+
+
+def model_file(requested: str | None, workdir: Path) -> Path:
+    if requested is not None:
+        return Path(requested)
+    if default_model_path().is_file():
+        return default_model_path()
+    from service.model.io import save_model
+
+    bench = _bench_model_module()
+    from tests.model.randomized import randomized_model
+
+    path = workdir / "bar-random.safetensors"
+    save_model(randomized_model(bench.bar_config()), path)
+    return path
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def in_process_step(potential: Potential, atoms: list[Atoms]) -> Callable[[], object]:
+    """What SO2LocalCalculator does per call: validate, predict, bring forces to the host."""
+
+    def step() -> object:
+        prediction = potential.predict(Structures.from_atoms(atoms), PROPERTIES)
+        assert prediction.forces is not None
+        return prediction.forces.cpu().numpy()
+
+    return step
+
+
+def in_process_phase(
+    potential: Potential, sizes: list[int], batch: int, repeats: int
+) -> dict[str, Any]:
+    rows: dict[str, Any] = {"single_ms": {}}
+    for n in sizes:
+        atoms = water_atoms(n)
+        rows["single_ms"][str(len(atoms))] = median_ms(
+            in_process_step(potential, [atoms]), repeats if len(atoms) < 5000 else 5
+        )
+    frames = [water_atoms(192, seed=k) for k in range(batch)]
+    serial = median_ms(in_process_step(potential, frames[:1]), repeats)
+    batched = median_ms(in_process_step(potential, frames), max(3, repeats // 4))
+    rows["serial_192"] = {"pass_ms": serial, "atom_steps_per_s": 192 / (serial * 1e-3)}
+    rows[f"batched_{batch}x192"] = {
+        "pass_ms": batched,
+        "atom_steps_per_s": batch * 192 / (batched * 1e-3),
+    }
+    return rows
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(model: Path, device: str, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--device",
+        device,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    server = subprocess.Popen(command, env=env)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError("the server exited during startup")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    server.kill()
+    raise RuntimeError("the server was not ready within 10 minutes")
+
+
+def http_step(
+    client: httpx.Client, atoms: Atoms, binary: bool, timings: list[dict[str, float]]
+) -> Callable[[], object]:
+    """What SO2Calculator does per call: encode, POST, decode (server timings kept)."""
+    media = MSGPACK if binary else JSON
+
+    def step() -> object:
+        body = encode_request([encode_structure(atoms, binary)], PROPERTIES, binary)
+        response = client.post(
+            "/evaluate", content=body, headers={"Content-Type": media, "Accept": media}
+        )
+        response.raise_for_status()
+        document = decode_response(response.content, response.headers["content-type"])
+        timings.append(document["provenance"]["timings"])
+        return document
+
+    return step
+
+
+def http_overhead_phase(url: str, sizes: list[int], repeats: int) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for n in sizes:
+            atoms = water_atoms(n)
+            reps = repeats if len(atoms) < 5000 else 5
+            for name, binary in (("json", False), ("msgpack", True)):
+                timings: list[dict[str, float]] = []
+                total = median_ms(http_step(client, atoms, binary, timings), reps)
+                server = {k: statistics.median(t[k] for t in timings[-reps:]) for k in timings[0]}
+                rows[f"{len(atoms)}/{name}"] = {"round_trip_ms": total, "server_ms": server}
+    return rows
+
+
+async def _client_loop(
+    url: str, bodies: list[bytes], clients: int, duration: float
+) -> tuple[list[float], float]:
+    """Latencies of every request and the wall time until the last one came back."""
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    headers = {"Content-Type": MSGPACK, "Accept": MSGPACK}
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+        begin = time.perf_counter()
+        stop = begin + duration
+
+        async def one(k: int) -> None:
+            while time.perf_counter() < stop:
+                start = time.perf_counter()
+                response = await http.post(
+                    "/evaluate", content=bodies[k % len(bodies)], headers=headers
+                )
+                response.raise_for_status()
+                latencies.append(time.perf_counter() - start)
+                k += 1
+
+        await asyncio.gather(*(one(k) for k in range(clients)))
+    return latencies, time.perf_counter() - begin
+
+
+def _client_process(args: tuple[str, int, float]) -> tuple[list[float], float]:
+    url, clients, duration = args
+    bodies = [
+        encode_request([encode_structure(water_atoms(192, seed=k), True)], PROPERTIES, True)
+        for k in range(8)
+    ]
+    return asyncio.run(_client_loop(url, bodies, clients, duration))
+
+
+def throughput_phase(url: str, client_counts: list[int], duration: float) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    ctx = multiprocessing.get_context("spawn")
+    for clients in client_counts:
+        processes = min(clients, 8)
+        shares = [clients // processes + (k < clients % processes) for k in range(processes)]
+        with ctx.Pool(processes) as pool:
+            results = pool.map(_client_process, [(url, s, duration) for s in shares])
+        latencies = [x for r, _ in results for x in r]
+        elapsed = max(t for _, t in results)
+        rows[str(clients)] = {
+            "requests": len(latencies),
+            "seconds": elapsed,
+            "atom_steps_per_s": len(latencies) * 192 / elapsed,
+            "latency_p50_ms": float(np.percentile(latencies, 50) * 1e3),
+            "latency_p99_ms": float(np.percentile(latencies, 99) * 1e3),
+        }
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model file (default: shipped, else random bar config)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per client count")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    workdir = Path(tempfile.mkdtemp(prefix="so2bench-"))
+    model = model_file(args.model, workdir)
+
+    potential = load_potential(model, device=args.device)
+    batch = max(args.clients)
+    in_process = in_process_phase(potential, args.sizes, batch, args.repeats)
+    execution = vars(potential.execution)
+    del potential
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    port = free_port()
+    server = start_server(model, args.device, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        overhead = http_overhead_phase(url, args.sizes, args.repeats)
+        throughput = throughput_phase(url, args.clients, args.duration)
+        metrics = httpx.get(f"{url}/metrics").text
+    finally:
+        server.terminate()
+        server.wait(60)
+
+    for key, row in overhead.items():
+        row["overhead_ms"] = row["round_trip_ms"] - in_process["single_ms"][key.split("/")[0]]
+    batched = in_process[f"batched_{batch}x192"]["atom_steps_per_s"]
+    result = {
+        "benchmark": "service",
+        "date": datetime.now(UTC).isoformat(),
+        "command": " ".join(sys.argv),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "model": str(model),
+        "execution": execution,
+        "in_process": in_process,
+        "http_overhead": overhead,
+        "http_throughput_192": throughput,
+        f"http{batch}_vs_in_process_batched": throughput[str(batch)]["atom_steps_per_s"] / batched,
+        "server_batch_requests": [
+            line
+            for line in metrics.splitlines()
+            if line.startswith(("so2serve_batch_requests_sum", "so2serve_batch_requests_count"))
+        ],
+    }
+    out = (
+        args.out or ROOT / "benchmarks" / "results" / f"service-{datetime.now():%Y%m%d-%H%M%S}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "absent"
+
+
+if __name__ == "__main__":
+    main()

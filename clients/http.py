@@ -1,0 +1,221 @@
+"""``SO2Calculator``: an ASE calculator that evaluates through a running so2serve service.
+
+One persistent HTTP connection (keep-alive) per calculator; positions travel as JSON for small
+systems and as msgpack with raw little-endian float64 for large ones (``wire="auto"``); both
+carry float64 exactly, so the numbers equal the in-process calculator's bit for bit. Transient
+failures (connection errors, 502/503/504) are retried with backoff; everything else raises
+``ServiceError``, an ``ase.calculators.calculator.CalculationFailed`` carrying the server's code
+and message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping
+from typing import Any, Literal
+
+import httpx
+import msgpack
+import numpy as np
+import orjson
+from ase import Atoms
+from ase.calculators.calculator import CalculationFailed, Calculator, all_changes
+
+from clients._properties import IMPLEMENTED_PROPERTIES, properties_to_compute
+
+WireChoice = Literal["auto", "json", "msgpack"]
+_JSON = "application/json"
+_MSGPACK = "application/msgpack"
+_TRANSIENT_STATUS = frozenset((502, 503, 504))
+
+
+class ServiceError(CalculationFailed):
+    """The service refused or failed a request; ``code``/``status``/``detail`` say why."""
+
+    def __init__(self, message: str, *, code: str, status: int | None, detail: Any = None):
+        super().__init__(message)
+        self.code = code
+        self.status = status
+        self.detail = detail
+
+
+def encode_structure(atoms: Atoms, binary: bool) -> dict[str, Any]:
+    """One structure of an ``/evaluate`` body (binary: float64 arrays as msgpack ``bin``)."""
+    positions = np.ascontiguousarray(atoms.positions, dtype="<f8")
+    cell = np.ascontiguousarray(atoms.cell.array, dtype="<f8")
+    item: dict[str, Any] = {
+        "species": atoms.numbers.tolist(),
+        "positions": positions.tobytes() if binary else positions,
+        "pbc": [bool(p) for p in atoms.pbc],
+    }
+    if atoms.pbc.any() or cell.any():
+        item["cell"] = cell.tobytes() if binary else cell
+    return item
+
+
+def encode_request(
+    structures: list[dict[str, Any]], properties: Collection[str], binary: bool
+) -> bytes:
+    document = {"structures": structures, "properties": sorted(properties)}
+    if binary:
+        packed: bytes = msgpack.packb(document, use_bin_type=True)
+        return packed
+    return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def decode_response(content: bytes, media_type: str) -> dict[str, Any]:
+    if media_type.startswith(_MSGPACK):
+        document: dict[str, Any] = msgpack.unpackb(content, raw=False)
+    else:
+        document = orjson.loads(content)
+    return document
+
+
+def result_arrays(result: Mapping[str, Any]) -> dict[str, Any]:
+    """A result of either wire format as float64 numpy arrays (native byte order)."""
+    n_atoms = int(result["n_atoms"])
+    shapes = {"forces": (n_atoms, 3), "energies": (n_atoms,), "stress": (6,), "virial": (3, 3)}
+    out: dict[str, Any] = {"energy": float(result["energy"])}
+    for name, shape in shapes.items():
+        value = result.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bytes):
+            out[name] = np.frombuffer(value, dtype="<f8").astype(np.float64).reshape(shape)
+        else:
+            out[name] = np.asarray(value, dtype=np.float64).reshape(shape)
+    return out
+
+
+def error_from_response(response: httpx.Response) -> ServiceError:
+    """The server's ``{code, message, detail}`` as a ``ServiceError``."""
+    try:
+        body = orjson.loads(response.content)
+        code, message, detail = str(body["code"]), str(body["message"]), body.get("detail")
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        code, message, detail = f"http_{response.status_code}", response.text[:500], None
+    return ServiceError(
+        f"so2serve answered {response.status_code} {code}: {message}",
+        code=code,
+        status=response.status_code,
+        detail=detail,
+    )
+
+
+def retry_delay(attempt: int, backoff_s: float, retry_after: str | None) -> float:
+    """Exponential backoff, or the server's Retry-After when it is longer (capped at 30 s)."""
+    delay: float = backoff_s * 2.0**attempt
+    if retry_after is not None and retry_after.isdigit():
+        delay = max(delay, float(retry_after))
+    return min(delay, 30.0)
+
+
+class SO2Calculator(Calculator):
+    """ASE calculator backed by an so2serve service.
+
+    Args:
+        url: base URL of the service.
+        api_key: sent as ``X-API-Key`` (default: none).
+        timeout: seconds for one HTTP request.
+        wire: ``"auto"`` (msgpack from ``binary_above_atoms`` atoms on, else JSON),
+            ``"json"`` or ``"msgpack"``.
+        retries: attempts after the first on transient failures.
+        backoff_s: first retry delay, doubled each attempt.
+        transport: an httpx transport to use instead of TCP (proxies, tests).
+    """
+
+    implemented_properties = IMPLEMENTED_PROPERTIES
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        *,
+        wire: WireChoice = "auto",
+        binary_above_atoms: int = 1000,
+        retries: int = 3,
+        backoff_s: float = 0.25,
+        transport: httpx.BaseTransport | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        headers = {"Accept": f"{_MSGPACK}, {_JSON}"}
+        if api_key is not None:
+            headers["X-API-Key"] = api_key
+        self.url = url
+        self.wire = wire
+        self.binary_above_atoms = binary_above_atoms
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.provenance: dict[str, Any] | None = None
+        self._http = httpx.Client(
+            base_url=url, timeout=timeout, headers=headers, transport=transport
+        )
+
+    def calculate(
+        self,
+        atoms: Atoms | None = None,
+        properties: Collection[str] = ("energy",),
+        system_changes: Collection[str] = all_changes,
+    ) -> None:
+        super().calculate(atoms, properties, system_changes)  # type: ignore[no-untyped-call]
+        atoms = self.atoms
+        assert atoms is not None  # set by Calculator.calculate
+        wanted = properties_to_compute(atoms, properties)
+        binary = self.wire == "msgpack" or (
+            self.wire == "auto" and len(atoms) >= self.binary_above_atoms
+        )
+        body = encode_request([encode_structure(atoms, binary)], wanted, binary)
+        document = self._post("/evaluate", body, _MSGPACK if binary else _JSON)
+        self.provenance = document.get("provenance")
+        result = result_arrays(document["results"][0])
+        self.results = {
+            "energy": result["energy"],
+            "free_energy": result["energy"],
+            **{k: result[k] for k in ("forces", "stress", "energies") if k in result},
+        }
+
+    def info(self) -> dict[str, Any]:
+        """The service's ``/info`` (model, execution path, limits)."""
+        response = self._request("GET", "/info", None, None)
+        info: dict[str, Any] = orjson.loads(response.content)
+        return info
+
+    def close(self) -> None:
+        """Close the HTTP connection."""
+        self._http.close()
+
+    def __enter__(self) -> SO2Calculator:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _post(self, path: str, body: bytes, content_type: str) -> dict[str, Any]:
+        response = self._request("POST", path, body, content_type)
+        return decode_response(response.content, response.headers.get("content-type", _JSON))
+
+    def _request(
+        self, method: str, path: str, body: bytes | None, content_type: str | None
+    ) -> httpx.Response:
+        headers = {"Content-Type": content_type} if content_type else None
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                response = self._http.request(method, path, content=body, headers=headers)
+            except httpx.TransportError as exc:
+                if last:
+                    raise ServiceError(
+                        f"so2serve at {self.url} unreachable: {type(exc).__name__}: {exc}",
+                        code="unreachable",
+                        status=None,
+                    ) from exc
+                time.sleep(retry_delay(attempt, self.backoff_s, None))
+                continue
+            if response.status_code < 400:
+                return response
+            if response.status_code not in _TRANSIENT_STATUS or last:
+                raise error_from_response(response)
+            time.sleep(retry_delay(attempt, self.backoff_s, response.headers.get("retry-after")))
+        raise AssertionError("unreachable: the loop returns or raises on its last attempt")

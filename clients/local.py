@@ -1,0 +1,74 @@
+"""``SO2LocalCalculator``: the model in this process, no service in between."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from ase import Atoms
+from ase.calculators.calculator import Calculator, all_changes
+
+from clients._properties import IMPLEMENTED_PROPERTIES, properties_to_compute
+from service.engine.evaluator import Evaluator
+from service.graph.structures import Structures
+
+
+def _host(value: Any) -> np.ndarray:
+    return np.asarray(value.detach().cpu().double().numpy())
+
+
+class SO2LocalCalculator(Calculator):
+    """ASE calculator evaluating the SO(2) potential in this process.
+
+    Args:
+        model: a model file, None for the shipped default model, or an already loaded
+            potential (anything with ``predict(structures, properties)``, e.g. ``Potential``).
+        device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        path: execution path, ``"auto"``, ``"fused"`` or ``"reference"``.
+        precision: numerical tier of the fused path.
+
+    Invalid structures raise ``service.graph.errors.InvalidStructureError`` (a ValueError).
+    """
+
+    implemented_properties = IMPLEMENTED_PROPERTIES
+
+    def __init__(
+        self,
+        model: str | Path | Evaluator | None = None,
+        device: str = "auto",
+        path: str = "auto",
+        *,
+        precision: str = "fp32",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        if model is None or isinstance(model, str | Path):
+            from service.model.potential import load_potential
+
+            self.potential: Evaluator = load_potential(
+                model, device=device, path=path, precision=precision
+            )
+        else:
+            self.potential = model
+
+    def calculate(
+        self,
+        atoms: Atoms | None = None,
+        properties: Collection[str] = ("energy",),
+        system_changes: Collection[str] = all_changes,
+    ) -> None:
+        super().calculate(atoms, properties, system_changes)  # type: ignore[no-untyped-call]
+        atoms = self.atoms
+        assert atoms is not None  # set by Calculator.calculate
+        wanted = properties_to_compute(atoms, properties)
+        prediction = self.potential.predict(Structures.from_atoms([atoms]), wanted)
+        energy = float(prediction.energy[0])
+        self.results = {"energy": energy, "free_energy": energy}
+        if prediction.forces is not None:
+            self.results["forces"] = _host(prediction.forces)
+        if "stress" in wanted and prediction.stress is not None:
+            self.results["stress"] = _host(prediction.stress[0])
+        if "energies" in wanted and prediction.energies is not None:
+            self.results["energies"] = _host(prediction.energies)

@@ -1,0 +1,524 @@
+"""Screening: evaluate every structure of some files, through the service or in this process.
+
+* Inputs: anything ``ase.io.iread`` reads. Each structure is identified as ``<path>@<frame>``
+  (the path as given on the command line, so resume with the same spelling).
+* Structures travel in batches (bounded by atoms and count) with a bounded number of requests
+  in flight; the service coalesces them further on the device.
+* Outputs in the output folder:
+  ``results.extxyz`` (one frame per evaluated structure, in completion order, with energy,
+  forces, stress when periodic, and ``screen_id``/``source``/``frame`` in the info line),
+  ``summary.csv`` (one row per structure, in input order: status, energy, energy per atom,
+  max force, error), ``journal.jsonl`` (the resume log).
+* Failures: transient ones (connection, 502/503/504) are retried with exponential backoff; a
+  structure the service rejects (422/413/507/500) is recorded as failed and the rest of its
+  batch is resubmitted, so one bad structure costs nothing else. Authentication and addressing
+  errors (401/403/404/415) abort the run.
+* Resume: every finished structure is appended to ``results.extxyz`` and flushed, then
+  journalled with the byte offset where its frame ends. On restart the journal is read, the
+  extxyz is cut back to the last journalled frame (dropping a frame half-written when the run
+  was killed), and finished structures are skipped (failed ones too, unless ``retry_failed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import ase.io
+import httpx
+import numpy as np
+from ase import Atoms
+from ase.calculators.singlepoint import SinglePointCalculator
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+
+from clients.http import (
+    decode_response,
+    encode_request,
+    encode_structure,
+    error_from_response,
+    result_arrays,
+    retry_delay,
+)
+
+if TYPE_CHECKING:
+    from service.engine.evaluator import Evaluator
+
+PROPERTIES = ("energy", "forces", "stress")
+RESULTS_FILE = "results.extxyz"
+SUMMARY_FILE = "summary.csv"
+JOURNAL_FILE = "journal.jsonl"
+
+_TRANSIENT_STATUS = frozenset((502, 503, 504))
+_FATAL_STATUS = frozenset((401, 403, 404, 405, 415))
+_STRUCTURE_FIELD = re.compile(r"^structures\[(\d+)\]")
+
+
+@dataclass(frozen=True)
+class ScreenOptions:
+    """How to screen. ``url`` selects the service; without it the model runs in process."""
+
+    output_dir: Path
+    url: str | None = None
+    api_key: str | None = None
+    model: str | Path | None = None  # in process: model file (None = shipped default)
+    device: str = "auto"
+    concurrency: int = 4  # requests in flight
+    batch_atoms: int = 4096  # atoms per request
+    batch_structures: int = 64  # structures per request
+    retries: int = 4
+    backoff_s: float = 0.5
+    timeout_s: float = 600.0
+    retry_failed: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class ScreenReport:
+    total: int  # structures found in the inputs (plus unreadable remainders)
+    skipped: int  # finished in an earlier run
+    succeeded: int  # evaluated in this run
+    failed: int  # recorded as failed in this run
+    output: Path
+    summary: Path
+    seconds: float
+
+
+class ScreenAborted(RuntimeError):
+    """A failure that no retry or skip can fix (wrong key or URL); the run stops."""
+
+
+@dataclass(frozen=True)
+class _Item:
+    id: str
+    source: str
+    frame: int
+    atoms: Atoms
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    item: _Item
+    result: dict[str, Any] | None  # energy, forces, stress (numpy) when it succeeded
+    error: tuple[str, str] | None = None  # (code, message) when it failed
+
+
+class _Rejected(Exception):
+    """The evaluator refused a batch because of one structure (``index``) or of the batch."""
+
+    def __init__(self, code: str, message: str, index: int | None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.index = code, message, index
+
+
+class _GaveUp(Exception):
+    """Transient failures persisted through every retry."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Backend(Protocol):
+    async def evaluate(self, atoms: list[Atoms]) -> list[dict[str, Any]]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _structure_index(detail: Any) -> int | None:
+    """Which structure of the batch an error is about, from the server's ``detail``."""
+    if not isinstance(detail, dict):
+        return None
+    index = detail.get("index")
+    if isinstance(index, int):
+        return index
+    errors = detail.get("errors") or [{}]
+    match = _STRUCTURE_FIELD.match(str(errors[0].get("field", "")))
+    return int(match.group(1)) if match else None
+
+
+class _HttpBackend:
+    """Batches as msgpack requests to the service, with retries on transient failures."""
+
+    def __init__(self, options: ScreenOptions) -> None:
+        assert options.url is not None
+        headers = {"Accept": "application/msgpack"}
+        if options.api_key is not None:
+            headers["X-API-Key"] = options.api_key
+        self._options = options
+        self._client = httpx.AsyncClient(
+            base_url=options.url,
+            timeout=options.timeout_s,
+            headers=headers,
+            limits=httpx.Limits(max_connections=options.concurrency),
+        )
+
+    async def evaluate(self, atoms: list[Atoms]) -> list[dict[str, Any]]:
+        body = encode_request([encode_structure(a, binary=True) for a in atoms], PROPERTIES, True)
+        retries = self._options.retries
+        for attempt in range(retries + 1):
+            try:
+                response = await self._client.post(
+                    "/evaluate", content=body, headers={"Content-Type": "application/msgpack"}
+                )
+            except httpx.TransportError as exc:
+                if attempt == retries:
+                    raise _GaveUp("unreachable", f"{type(exc).__name__}: {exc}") from exc
+                await asyncio.sleep(retry_delay(attempt, self._options.backoff_s, None))
+                continue
+            if response.status_code < 400:
+                document = decode_response(response.content, response.headers["content-type"])
+                return [result_arrays(r) for r in document["results"]]
+            error = error_from_response(response)
+            if response.status_code in _FATAL_STATUS:
+                raise ScreenAborted(str(error))
+            if response.status_code not in _TRANSIENT_STATUS:
+                raise _Rejected(error.code, str(error), _structure_index(error.detail))
+            if attempt == retries:
+                raise _GaveUp(error.code, str(error))
+            delay = retry_delay(
+                attempt, self._options.backoff_s, response.headers.get("retry-after")
+            )
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable: the loop returns or raises on its last attempt")
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class _LocalBackend:
+    """Batches through an in-process potential, one at a time on its device."""
+
+    def __init__(self, evaluator: Evaluator) -> None:
+        self._evaluator = evaluator
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="so2screen-device")
+
+    async def evaluate(self, atoms: list[Atoms]) -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self._predict, atoms)
+
+    def _predict(self, atoms: list[Atoms]) -> list[dict[str, Any]]:
+        from service.graph.errors import InvalidStructureError
+        from service.graph.structures import Structures
+
+        try:
+            structures = Structures.from_atoms(atoms)
+            prediction = self._evaluator.predict(structures, PROPERTIES)
+        except InvalidStructureError as exc:
+            raise _Rejected(exc.code, exc.message, exc.index) from exc
+        except Exception as exc:  # the model failed: isolate the structure that caused it
+            raise _Rejected("evaluation_failed", f"{type(exc).__name__}: {exc}", None) from exc
+        ptr = structures.ptr.tolist()
+        energy = prediction.energy.detach().cpu().double().numpy()
+        forces = _numpy(prediction.forces)
+        stress = _numpy(prediction.stress)
+        out = []
+        for b, a in enumerate(atoms):
+            row: dict[str, Any] = {"energy": float(energy[b])}
+            if forces is not None:
+                row["forces"] = forces[ptr[b] : ptr[b + 1]]
+            if stress is not None and a.pbc.all():
+                row["stress"] = stress[b]
+            out.append(row)
+        return out
+
+    async def aclose(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def _numpy(value: Any) -> np.ndarray | None:
+    return None if value is None else value.detach().cpu().double().numpy()
+
+
+class _ResultStore:
+    """results.extxyz + journal.jsonl (append-only, flushed per structure) + summary.csv."""
+
+    def __init__(self, output_dir: Path) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.results_path = output_dir / RESULTS_FILE
+        self.summary_path = output_dir / SUMMARY_FILE
+        self._journal_path = output_dir / JOURNAL_FILE
+        self.entries = self._recover()
+        self._results = self.results_path.open("ab")
+        self._journal = self._journal_path.open("a", encoding="utf-8")
+
+    def _recover(self) -> dict[str, dict[str, Any]]:
+        """Entries of earlier runs whose frames are intact; cut off anything half-written."""
+        size = self.results_path.stat().st_size if self.results_path.exists() else 0
+        entries: dict[str, dict[str, Any]] = {}
+        committed = 0
+        if self._journal_path.exists():
+            for line in self._journal_path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the line being written when the run was killed
+                if entry["status"] == "ok":
+                    if entry["xyz_end"] > size:
+                        continue  # its frame never reached the file
+                    committed = max(committed, entry["xyz_end"])
+                entries[entry["id"]] = entry
+        if size > committed:
+            with self.results_path.open("r+b") as f:
+                f.truncate(committed)
+        tmp = self._journal_path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(e) + "\n" for e in entries.values()), encoding="utf-8")
+        os.replace(tmp, self._journal_path)
+        return entries
+
+    def finished(self, retry_failed: bool) -> set[str]:
+        return {k for k, e in self.entries.items() if e["status"] == "ok" or not retry_failed}
+
+    def record(self, outcome: _Outcome) -> None:
+        item = outcome.item
+        entry: dict[str, Any] = {
+            "id": item.id,
+            "source": item.source,
+            "frame": item.frame,
+            "formula": item.atoms.get_chemical_formula(),  # type: ignore[no-untyped-call]
+            "n_atoms": len(item.atoms),
+        }
+        if outcome.result is not None:
+            self._results.write(_extxyz_frame(item, outcome.result))
+            self._results.flush()
+            forces = outcome.result.get("forces")
+            entry |= {
+                "status": "ok",
+                "energy": outcome.result["energy"],
+                "fmax": None if forces is None else float(np.linalg.norm(forces, axis=1).max()),
+                "xyz_end": self._results.tell(),
+            }
+        else:
+            assert outcome.error is not None
+            entry |= {"status": "failed", "error_code": outcome.error[0], "error": outcome.error[1]}
+        self._journal.write(json.dumps(entry) + "\n")
+        self._journal.flush()
+        self.entries[item.id] = entry
+
+    def write_summary(self, order: Sequence[str]) -> None:
+        ranked = {key: k for k, key in enumerate(order)}
+        rows = sorted(self.entries.values(), key=lambda e: ranked.get(e["id"], len(ranked)))
+        columns = [
+            "id",
+            "source",
+            "frame",
+            "formula",
+            "n_atoms",
+            "status",
+            "energy_eV",
+            "energy_per_atom_eV",
+            "fmax_eV_per_A",
+            "error_code",
+            "error",
+        ]
+        with self.summary_path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(columns)
+            for e in rows:
+                energy = e.get("energy")
+                per_atom = None if energy is None else energy / e["n_atoms"]
+                writer.writerow(
+                    [
+                        e["id"],
+                        e["source"],
+                        e["frame"],
+                        e["formula"],
+                        e["n_atoms"],
+                        e["status"],
+                        _fmt(energy),
+                        _fmt(per_atom),
+                        _fmt(e.get("fmax")),
+                        e.get("error_code", ""),
+                        e.get("error", ""),
+                    ]
+                )
+
+    def close(self) -> None:
+        self._results.close()
+        self._journal.close()
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+def _extxyz_frame(item: _Item, result: dict[str, Any]) -> bytes:
+    atoms = item.atoms.copy()  # type: ignore[no-untyped-call]
+    atoms.info.update({"screen_id": item.id, "source": item.source, "frame": item.frame})
+    atoms.calc = SinglePointCalculator(  # type: ignore[no-untyped-call]
+        atoms,
+        energy=result["energy"],
+        free_energy=result["energy"],
+        forces=result.get("forces"),
+        stress=result.get("stress"),
+    )
+    buffer = io.StringIO()
+    ase.io.write(buffer, atoms, format="extxyz")
+    return buffer.getvalue().encode("utf-8")
+
+
+def read_inputs(paths: Sequence[Path]) -> tuple[list[_Item], list[_Outcome]]:
+    """Every structure of every file; a file that stops parsing yields one failure entry."""
+    items: list[_Item] = []
+    unreadable: list[_Outcome] = []
+    for path in paths:
+        read = 0
+        try:
+            for atoms in ase.io.iread(str(path), index=":"):
+                items.append(_Item(f"{path}@{read}", str(path), read, atoms))
+                read += 1
+        except Exception as exc:  # ASE raises many types for files it cannot parse
+            placeholder = _Item(f"{path}@{read}", str(path), read, Atoms())
+            message = f"cannot read {path} from frame {read} on: {type(exc).__name__}: {exc}"
+            unreadable.append(_Outcome(placeholder, None, ("unreadable", message)))
+    return items, unreadable
+
+
+def _batches(items: Sequence[_Item], max_atoms: int, max_structures: int) -> Iterator[list[_Item]]:
+    batch: list[_Item] = []
+    atoms = 0
+    for item in items:
+        n = len(item.atoms)
+        if batch and (atoms + n > max_atoms or len(batch) == max_structures):
+            yield batch
+            batch, atoms = [], 0
+        batch.append(item)
+        atoms += n
+    if batch:
+        yield batch
+
+
+async def _evaluate_isolating(backend: _Backend, batch: list[_Item]) -> list[_Outcome]:
+    """Evaluate a batch; a structure the evaluator rejects fails alone, the rest go again."""
+    outcomes: list[_Outcome] = []
+    pending = list(batch)
+    while pending:
+        try:
+            results = await backend.evaluate([item.atoms for item in pending])
+        except _GaveUp as exc:
+            return outcomes + [_Outcome(item, None, (exc.code, exc.message)) for item in pending]
+        except _Rejected as exc:
+            index = 0 if len(pending) == 1 else exc.index
+            if index is None or not 0 <= index < len(pending):
+                for item in pending:  # the error names no structure: try each alone
+                    outcomes += await _evaluate_isolating(backend, [item])
+                return outcomes
+            outcomes.append(_Outcome(pending[index], None, (exc.code, exc.message)))
+            del pending[index]
+            continue
+        return outcomes + [_Outcome(i, r) for i, r in zip(pending, results, strict=True)]
+    return outcomes
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("" if speed is None else f"{speed:.1f} structures/s", style="cyan")
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]screening"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        _RateColumn(),
+        TextColumn("failed {task.fields[failed]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+    )
+
+
+async def _run(
+    backend: _Backend, store: _ResultStore, todo: list[_Item], options: ScreenOptions
+) -> tuple[int, int]:
+    queue: asyncio.Queue[list[_Item] | None] = asyncio.Queue(maxsize=2 * options.concurrency)
+    counts = {"ok": 0, "failed": 0}
+    with _progress(options.progress) as progress:
+        task = progress.add_task("screen", total=len(todo), failed=0)
+
+        async def produce() -> None:
+            for batch in _batches(todo, options.batch_atoms, options.batch_structures):
+                await queue.put(batch)
+            for _ in range(options.concurrency):
+                await queue.put(None)
+
+        async def consume() -> None:
+            while (batch := await queue.get()) is not None:
+                for outcome in await _evaluate_isolating(backend, batch):
+                    store.record(outcome)
+                    counts["ok" if outcome.result is not None else "failed"] += 1
+                    progress.update(task, advance=1, failed=counts["failed"])
+
+        await asyncio.gather(produce(), *(consume() for _ in range(options.concurrency)))
+    return counts["ok"], counts["failed"]
+
+
+def screen(
+    inputs: Sequence[Path], options: ScreenOptions, *, evaluator: Evaluator | None = None
+) -> ScreenReport:
+    """Screen ``inputs`` into ``options.output_dir``; see the module docstring.
+
+    ``evaluator`` (tests, or an already loaded ``Potential``) replaces both the service and
+    ``options.model``.
+    """
+    return asyncio.run(_screen(inputs, options, evaluator))
+
+
+async def _screen(
+    inputs: Sequence[Path], options: ScreenOptions, evaluator: Evaluator | None
+) -> ScreenReport:
+    started = time.perf_counter()
+    store = _ResultStore(options.output_dir)
+    items, unreadable = read_inputs(inputs)
+    finished = store.finished(options.retry_failed)
+    newly_unreadable = [o for o in unreadable if o.item.id not in finished]
+    for outcome in newly_unreadable:
+        store.record(outcome)
+    todo = [item for item in items if item.id not in finished]
+    backend: _Backend
+    if evaluator is not None:
+        backend = _LocalBackend(evaluator)
+    elif options.url is not None:
+        backend = _HttpBackend(options)
+    else:
+        from service.model.potential import load_potential
+
+        backend = _LocalBackend(load_potential(options.model, device=options.device))
+    try:
+        succeeded, failed = await _run(backend, store, todo, options)
+    finally:
+        await backend.aclose()
+        store.write_summary([item.id for item in items] + [o.item.id for o in unreadable])
+        store.close()
+    return ScreenReport(
+        total=len(items) + len(unreadable),
+        skipped=len(items) - len(todo) + len(unreadable) - len(newly_unreadable),
+        succeeded=succeeded,
+        failed=failed + len(newly_unreadable),
+        output=store.results_path,
+        summary=store.summary_path,
+        seconds=time.perf_counter() - started,
+    )

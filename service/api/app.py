@@ -1,0 +1,226 @@
+"""The FastAPI application: ``create_app(settings, evaluator=None)``.
+
+The lifespan loads the model once (unless an evaluator is injected, as tests do), starts the
+engine, runs one warm-up pass and only then reports ready; on shutdown it stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from ase.data import atomic_numbers
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.deps import ServiceState
+from service.api.errors import install_error_handlers
+from service.api.routes import api_router, health_router
+from service.api.schemas import EvaluateRequest
+from service.api.settings import ServiceSettings
+from service.engine import BatchLimits, Engine, Evaluator, ServiceMetrics, Worker
+
+log = logging.getLogger("so2serve.api")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def server_version() -> str:
+    try:
+        return version("so2serve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def load_evaluator(settings: ServiceSettings) -> Evaluator:
+    """The model named by the settings (the shipped default when none), on its device."""
+    from service.model.potential import load_potential
+
+    potential: Evaluator = load_potential(
+        settings.model,
+        device=settings.device,
+        path=settings.execution,
+        precision=settings.precision,
+    )
+    return potential
+
+
+def batch_limits(settings: ServiceSettings) -> BatchLimits:
+    return BatchLimits(
+        max_atoms=settings.max_atoms,
+        max_batch_atoms=settings.max_batch_atoms,
+        max_batch_edges=settings.max_batch_edges,
+        window_s=settings.batch_window_ms * 1e-3,
+        max_queue=settings.max_queue,
+    )
+
+
+def _element_numbers(info: dict[str, Any]) -> list[int]:
+    return [atomic_numbers[s] if isinstance(s, str) else int(s) for s in info["elements"]]
+
+
+async def _start(state: ServiceState, evaluator: Evaluator | None) -> None:
+    started = time.perf_counter()
+    if evaluator is None:
+        evaluator = await asyncio.to_thread(load_evaluator, state.settings)
+    info = dict(evaluator.info())
+    elements = _element_numbers(info)
+    execution = evaluator.execution
+    engine = Engine(
+        Worker(evaluator, state.metrics),
+        batch_limits(state.settings),
+        state.metrics,
+        rcut=float(info["rcut"]),
+        elements=elements,
+    )
+    await engine.start()
+    if state.settings.warm_up:
+        await engine.warm_up(elements)
+    state.provenance = {
+        "model": {"name": str(info.get("name", "")), "sha256": str(info.get("sha256", ""))},
+        "execution": {
+            "path": execution.path,
+            "precision": execution.precision,
+            "device": execution.device,
+        },
+    }
+    state.metrics.model.info(
+        {
+            **state.provenance["model"],
+            **state.provenance["execution"],
+            "version": state.server_version,
+        }
+    )
+    state.engine, state.evaluator, state.ready = engine, evaluator, True
+    log.info(
+        "ready in %.1f s: model %s (%s) on %s, %s path, %s",
+        time.perf_counter() - started,
+        state.provenance["model"]["name"],
+        state.provenance["model"]["sha256"][:12],
+        execution.device,
+        execution.path,
+        execution.precision,
+    )
+
+
+async def _stop(state: ServiceState) -> None:
+    state.ready = False
+    if state.engine is not None:
+        await state.engine.stop()
+
+
+class RequestContextMiddleware:
+    """Request ids (``X-Request-ID``: the client's if sane, else a fresh one) and per-route
+    request counts and latency. Pure ASGI: no per-request task or body copy."""
+
+    def __init__(self, app: ASGIApp, state: ServiceState, routes: frozenset[str]) -> None:
+        self.app = app
+        self.state = state
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        request_id = self._request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope["path"] if scope["path"] in self.routes else "other"
+            metrics = self.state.metrics
+            metrics.requests.labels(route, str(status)).inc()
+            metrics.request_latency.labels(route).observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _request_id(scope: Scope) -> str:
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                candidate: str = value.decode("latin-1")
+                if _REQUEST_ID.match(candidate):
+                    return candidate
+        return uuid.uuid4().hex
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the hand-parsed /evaluate request body (JSON and msgpack)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        body = EvaluateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(body.pop("$defs", {}))
+        components[EvaluateRequest.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(
+    settings: ServiceSettings | None = None, evaluator: Evaluator | None = None
+) -> FastAPI:
+    """The service app. ``evaluator`` replaces the model named in ``settings`` (tests)."""
+    settings = settings if settings is not None else ServiceSettings()
+    state = ServiceState(
+        settings=settings, metrics=ServiceMetrics(), server_version=server_version()
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await _start(state, evaluator)
+        try:
+            yield
+        finally:
+            await _stop(state)
+
+    app = FastAPI(
+        title="so2serve",
+        version=state.server_version,
+        description="Energies, forces and stress of an SO(2)-convolution potential (DPA4 subset).",
+        lifespan=lifespan,
+    )
+    app.state.service = state
+    install_error_handlers(app)
+    app.include_router(health_router)
+    app.include_router(api_router)
+    routes = frozenset(
+        getattr(route, "path", "") for r in (health_router, api_router) for route in r.routes
+    )
+    app.add_middleware(RequestContextMiddleware, state=state, routes=routes)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def serve(settings: ServiceSettings) -> None:
+    """Run the service with uvicorn until interrupted (the ``so2serve serve`` command)."""
+    import uvicorn
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=30,
+    )

@@ -1,0 +1,76 @@
+"""FastAPI dependencies: the per-app state, the engine, the API key check."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from service.api.errors import ApiError
+from service.api.settings import ServiceSettings
+from service.engine import Engine, Evaluator, ServiceMetrics
+
+
+@dataclass
+class ServiceState:
+    """Everything one app instance owns; lives in ``app.state.service``."""
+
+    settings: ServiceSettings
+    metrics: ServiceMetrics
+    server_version: str
+    engine: Engine | None = None
+    evaluator: Evaluator | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)  # the per-model part
+    ready: bool = False
+
+
+def get_state(request: Request) -> ServiceState:
+    state: ServiceState = request.app.state.service
+    return state
+
+
+State = Annotated[ServiceState, Depends(get_state)]
+
+
+def get_engine(state: State) -> Engine:
+    """The engine, once the model is loaded and warmed up (else 503 not_ready)."""
+    if not state.ready or state.engine is None:
+        raise ApiError(
+            503,
+            "not_ready",
+            "the model is not loaded yet, or the server is stopping",
+            headers={"Retry-After": "5"},
+        )
+    return state.engine
+
+
+def _presented_key(request: Request) -> str | None:
+    key = request.headers.get("x-api-key")
+    if key is not None:
+        return key
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def require_api_key(request: Request, state: State) -> None:
+    """401 unless the request carries the server's key (when it has one)."""
+    expected = state.settings.api_key
+    if expected is None:
+        return
+    presented = _presented_key(request)
+    if presented is None or not secrets.compare_digest(
+        presented.encode(), expected.get_secret_value().encode()
+    ):
+        raise ApiError(
+            401,
+            "unauthorized",
+            "missing API key" if presented is None else "wrong API key",
+            detail={"accepted": ["X-API-Key: <key>", "Authorization: Bearer <key>"]},
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+Authorized = Depends(require_api_key)

@@ -1,0 +1,201 @@
+"""Request and response schemas of the HTTP API, and the wire formats that carry them.
+
+Wire formats (chosen by ``Content-Type``; the answer by ``Accept``, else the request's format)
+------------------------------------------------------------------------------------------
+``application/json``
+    Plain JSON as in the schemas below. Floats are written in shortest round-trip form, so a
+    float64 survives the trip bit for bit.
+``application/msgpack`` (also ``application/x-msgpack``, ``application/vnd.msgpack``)
+    The same document as MessagePack, except that large arrays may travel as ``bin`` values
+    holding raw little-endian IEEE-754 float64, row-major (C order):
+
+    * request ``positions``: ``bin`` of 24·n bytes, shape (n, 3) (nested arrays also accepted);
+    * request ``cell``: ``bin`` of 72 bytes, shape (3, 3) (nested arrays also accepted);
+    * response ``forces`` (n, 3), ``energies`` (n,), ``stress`` (6,), ``virial`` (3, 3): always
+      ``bin`` in a msgpack answer; shapes follow from ``n_atoms`` in the same result.
+
+    ``species`` stays an array of integers or strings; ``energy`` is a float64. No extension
+    types are used or accepted, and nothing is ever unpickled.
+
+Units: Å, eV, eV/Å, eV/Å³. ``stress`` is ASE's: σ = (1/V) ∂E/∂ε in Voigt order
+(xx, yy, zz, yz, xz, xy), for structures periodic along all three axes (``null`` otherwise).
+``virial`` is W = −∂E/∂ε (eV, 3×3), defined for every structure.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, WithJsonSchema
+
+Property = Literal["energy", "forces", "stress", "energies", "virial"]
+DEFAULT_PROPERTIES: tuple[Property, ...] = ("energy", "forces")
+
+_BINARY = (bytes, bytearray, memoryview)
+
+
+def _numeric_array(value: object, what: str) -> object:
+    """float64 array of JSON/msgpack numbers. Shapes, ragged nesting included, are checked with
+    the structure (``InvalidStructureError``), so that every shape error reads the same."""
+    try:
+        raw = np.asarray(value)
+    except ValueError:
+        return value
+    if raw.dtype.kind not in "iuf":
+        raise ValueError(f"{what} must contain only numbers")
+    return raw.astype(np.float64, copy=False)
+
+
+def _float64_le(value: bytes | bytearray | memoryview, what: str, row: int) -> np.ndarray:
+    """A msgpack ``bin`` of little-endian float64 as an owned, native (n, row) array."""
+    if len(value) % (8 * row):
+        raise ValueError(
+            f"{what} as binary must hold little-endian float64 in rows of {row} "
+            f"({8 * row} bytes per row), got {len(value)} bytes"
+        )
+    return np.frombuffer(value, dtype="<f8").reshape(-1, row).astype(np.float64)
+
+
+def _positions(value: object) -> object:
+    if isinstance(value, _BINARY):
+        return _float64_le(value, "positions", 3)
+    return _numeric_array(value, "positions")
+
+
+def _cell(value: object) -> object:
+    if isinstance(value, _BINARY):
+        return _float64_le(value, "cell", 3)
+    return _numeric_array(value, "cell")
+
+
+def _species(value: object) -> np.ndarray:
+    """int64 atomic numbers, or a str array of symbols (converted with the structure)."""
+    if not isinstance(value, list | tuple):
+        raise ValueError("species must be a list of element symbols or atomic numbers")
+    raw = np.asarray(value)
+    if raw.dtype.kind in "iu" or (raw.dtype.kind == "U" and raw.ndim == 1):
+        return raw
+    raise ValueError("species must be all element symbols or all atomic numbers")
+
+
+def _array_schema(depth: int, inner: int | None = None) -> WithJsonSchema:
+    schema: dict[str, Any] = {"type": "number"}
+    for level in range(depth):
+        schema = {"type": "array", "items": schema}
+        if level == 0 and inner is not None:
+            schema |= {"minItems": inner, "maxItems": inner}
+    return WithJsonSchema(schema)
+
+
+Species = Annotated[
+    np.ndarray,
+    PlainValidator(_species),
+    WithJsonSchema(
+        {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}
+    ),
+]
+Positions = Annotated[np.ndarray, PlainValidator(_positions), _array_schema(2, 3)]
+Cell = Annotated[np.ndarray, PlainValidator(_cell), _array_schema(2, 3)]
+Pbc = StrictBool | list[StrictBool]
+
+
+class StructureIn(BaseModel):
+    """One structure. Without ``pbc``: periodic along all axes if a cell is given, else none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    species: Species = Field(description="element symbols or atomic numbers, one per atom")
+    positions: Positions = Field(description="Cartesian positions (n, 3), Å")
+    cell: Cell | None = Field(default=None, description="lattice vectors as rows (3, 3), Å")
+    pbc: Pbc | None = Field(
+        default=None, description="periodicity per axis (three booleans, or one)"
+    )
+
+
+class EvaluateRequest(BaseModel):
+    """Body of ``POST /evaluate``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    structures: list[StructureIn] = Field(min_length=1)
+    properties: list[Property] = Field(
+        default_factory=lambda: list(DEFAULT_PROPERTIES),
+        description="what to compute; energy is always returned",
+    )
+
+
+class StructureResult(BaseModel):
+    """Results of one structure; only the properties asked for are present."""
+
+    n_atoms: int
+    energy: float = Field(description="eV")
+    forces: list[list[float]] | None = Field(default=None, description="(n, 3) eV/Å")
+    energies: list[float] | None = Field(default=None, description="per-atom energies (n,), eV")
+    stress: list[float] | None = Field(
+        None, description="(6,) eV/Å³, ASE Voigt order; null unless periodic on all axes"
+    )
+    virial: list[list[float]] | None = Field(default=None, description="(3, 3) eV")
+
+
+class ModelRef(BaseModel):
+    name: str
+    sha256: str = Field(description="content hash of the model's weights")
+
+
+class Execution(BaseModel):
+    path: str = Field(description="'fused' (Triton kernels) or 'reference' (eager)")
+    precision: str
+    device: str
+
+
+class Timings(BaseModel):
+    decode_ms: float = Field(description="reading, parsing and validating the request")
+    queue_ms: float = Field(description="waiting for the first device pass")
+    compute_ms: float = Field(description="device passes that carried this request (shared)")
+    total_ms: float = Field(description="server time before encoding the answer")
+
+
+class Provenance(BaseModel):
+    request_id: str
+    server_version: str
+    model: ModelRef
+    execution: Execution
+    timings: Timings
+    passes: int = Field(description="device passes this request was spread over")
+
+
+class EvaluateResponse(BaseModel):
+    """Answer of ``POST /evaluate``: results in request order, and what produced them."""
+
+    results: list[StructureResult]
+    provenance: Provenance
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx answer."""
+
+    code: str = Field(description="machine-readable reason, e.g. 'non_finite_positions'")
+    message: str
+    detail: Any = Field(default=None, description="structured context, e.g. the offending field")
+
+
+class Limits(BaseModel):
+    max_atoms: int
+    max_batch_atoms: int
+    max_batch_edges: int
+    batch_window_ms: float
+    max_queue: int
+    max_body_bytes: int
+
+
+class InfoResponse(BaseModel):
+    server_version: str
+    model: dict[str, Any] = Field(description="model metadata: elements, rcut, config, hash …")
+    execution: Execution
+    limits: Limits
+    auth_required: bool
+
+
+class Health(BaseModel):
+    status: str

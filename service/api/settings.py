@@ -1,0 +1,89 @@
+"""Service settings: defaults, ``SO2SERVE_*`` environment variables, then CLI flags.
+
+Precedence (highest first): keyword arguments (the CLI passes only the flags given),
+environment variables (``SO2SERVE_MAX_ATOMS=50000``, ``SO2SERVE_API_KEY=...``), defaults.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses that only this machine can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname: assume it resolves to something reachable
+
+
+class ServiceSettings(BaseSettings):
+    """Everything ``so2serve serve`` can be told."""
+
+    model_config = SettingsConfigDict(env_prefix="SO2SERVE_", extra="forbid", frozen=True)
+
+    model: Path | None = Field(
+        default=None, description="model file; None = the shipped default model"
+    )
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    execution: Literal["auto", "fused", "reference"] = Field(
+        default="auto", description="fused Triton path or eager reference; auto picks fused on CUDA"
+    )
+    precision: str = Field(default="fp32", description="numerical tier of the fused path")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_key: SecretStr | None = Field(
+        default=None, description="required in X-API-Key or 'Authorization: Bearer' when set"
+    )
+    insecure: bool = Field(
+        default=False, description="allow a non-loopback host without an API key"
+    )
+    max_atoms: int = Field(default=100_000, gt=0, description="per structure; above → 413")
+    max_batch_atoms: int = Field(default=16_384, gt=0, description="atom budget of one device pass")
+    max_batch_edges: int = Field(
+        default=2_000_000, gt=0, description="estimated-edge budget of one device pass"
+    )
+    batch_window_ms: float = Field(default=5.0, ge=0, description="longest wait to fill a batch")
+    max_queue: int = Field(
+        default=1024, gt=0, description="queued requests; above → 503 Retry-After"
+    )
+    max_body_mb: float = Field(default=512.0, gt=0, description="largest request body")
+    warm_up: bool = Field(default=True, description="run one pass before reporting ready")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _non_empty_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value():
+            raise ValueError("the API key must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_open_exposure(self) -> ServiceSettings:
+        if not is_loopback(self.host) and self.api_key is None and not self.insecure:
+            raise ValueError(
+                f"refusing to listen on {self.host} without an API key: anyone who can reach "
+                "it could use the GPU. Set --api-key (or SO2SERVE_API_KEY), or pass --insecure"
+            )
+        return self
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)

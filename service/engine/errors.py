@@ -1,0 +1,73 @@
+"""Typed failures of the evaluation engine; ``service.api.errors`` maps each to an HTTP status.
+
+The engine never knows about HTTP: it raises these, and the API layer chooses the status code
+(the code name in the comment is the one the API uses).
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class: ``code`` is machine-readable, the message is for humans."""
+
+    code: str = "engine_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class QueueFullError(EngineError):
+    """The request queue is at its limit (HTTP 503 + Retry-After)."""
+
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class TooManyAtomsError(EngineError):
+    """One structure is above the per-structure atom limit (HTTP 413)."""
+
+    code = "too_many_atoms"
+
+    def __init__(self, *, index: int, n_atoms: int, limit: int) -> None:
+        super().__init__(
+            f"structures[{index}] has {n_atoms} atoms, above this server's limit of {limit} "
+            "atoms per structure (--max-atoms)"
+        )
+        self.index = index
+        self.n_atoms = n_atoms
+        self.limit = limit
+
+
+class StructureTooLargeError(EngineError):
+    """A single structure does not fit in device memory even alone (HTTP 507)."""
+
+    code = "out_of_memory"
+
+    def __init__(self, *, index: int, n_atoms: int, device: str) -> None:
+        super().__init__(
+            f"structures[{index}] ({n_atoms} atoms) does not fit in the memory of {device}, "
+            "even evaluated alone; split the system or use a device with more memory"
+        )
+        self.index = index
+        self.n_atoms = n_atoms
+        self.device = device
+
+
+class EvaluationFailedError(EngineError):
+    """The model raised an unexpected error on one structure (HTTP 500)."""
+
+    code = "evaluation_failed"
+
+    def __init__(self, *, index: int, cause: BaseException) -> None:
+        super().__init__(f"evaluating structures[{index}] failed: {type(cause).__name__}: {cause}")
+        self.index = index
+
+
+class EngineClosedError(EngineError):
+    """The engine is not running (starting up or shutting down; HTTP 503)."""
+
+    code = "not_ready"

@@ -1,0 +1,60 @@
+"""What the engine needs from a model: the serving surface of ``service.model.Potential``.
+
+Declared as protocols so the engine (and its tests, which inject a cheap analytic potential)
+depend on the surface, not on the model package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from service.graph.structures import Structures
+
+PROPERTIES: tuple[str, ...] = ("energy", "forces", "stress", "energies", "virial")
+"""Properties a client may ask for. Energy is always computed."""
+
+
+class ExecutionLike(Protocol):
+    """Which code path produced the numbers (reported in every response)."""
+
+    @property
+    def path(self) -> str: ...  # "fused" | "reference"
+
+    @property
+    def precision(self) -> str: ...  # "fp32" | ...
+
+    @property
+    def device(self) -> str: ...  # "cuda:0", "cpu", ...
+
+
+class PredictionLike(Protocol):
+    """Batched outputs, float64; a property not asked for may be None."""
+
+    @property
+    def energy(self) -> Tensor: ...  # (B,) eV
+
+    @property
+    def energies(self) -> Tensor | None: ...  # (N,) eV
+
+    @property
+    def forces(self) -> Tensor | None: ...  # (N, 3) eV/Å
+
+    @property
+    def virial(self) -> Tensor | None: ...  # (B, 3, 3) eV
+
+    @property
+    def stress(self) -> Tensor | None: ...  # (B, 6) eV/Å³, ASE Voigt order
+
+
+class Evaluator(Protocol):
+    """A model resident on one device that evaluates batches of structures."""
+
+    @property
+    def execution(self) -> ExecutionLike: ...
+
+    def predict(self, structures: Structures, properties: Collection[str]) -> PredictionLike: ...
+
+    def info(self) -> Mapping[str, Any]: ...

@@ -1,0 +1,186 @@
+"""The device side of the engine: one batch at a time, out-of-memory recovery, host copies.
+
+``Worker.run`` executes in the engine's single worker thread, so exactly one stream of device
+work is in flight. On a device out-of-memory error the worker frees the caching allocator's
+blocks, bisects the batch by structure and retries each half; a structure that fails alone is
+reported per structure (``StructureTooLargeError`` for memory), so the rest of the batch still
+gets its results and nobody receives partial or stale numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from service.engine.errors import StructureTooLargeError
+from service.engine.evaluator import Evaluator, PredictionLike
+from service.engine.metrics import ServiceMetrics
+from service.graph.structures import StructureArrays, Structures
+
+log = logging.getLogger("so2serve.worker")
+
+_ATOM_FIELDS = ("forces", "energies")
+_STRUCTURE_FIELDS = ("virial", "stress")
+
+
+@dataclass(frozen=True)
+class BatchOutput:
+    """Host (numpy, float64) results of one batch of B structures and N atoms.
+
+    Rows of a structure listed in ``failures`` hold NaN and must not be delivered.
+    """
+
+    energy: np.ndarray  # (B,)
+    forces: np.ndarray | None  # (N, 3)
+    energies: np.ndarray | None  # (N,)
+    virial: np.ndarray | None  # (B, 3, 3)
+    stress: np.ndarray | None  # (B, 6)
+    failures: Mapping[int, BaseException]  # structure index in the batch → why it has no result
+    seconds: float  # wall time of the whole pass, retries included
+
+
+def select_structures(structures: Structures, start: int, stop: int) -> Structures:
+    """Structures ``start:stop`` of a validated batch, as views (no re-validation)."""
+    ptr = structures.ptr
+    a, b = int(ptr[start]), int(ptr[stop])
+    return Structures(
+        numbers=structures.numbers[a:b],
+        positions=structures.positions[a:b],
+        cells=structures.cells[start:stop],
+        pbc=structures.pbc[start:stop],
+        ptr=ptr[start : stop + 1] - ptr[start],
+    )
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Device allocation failures (torch's typed error, or a library's message saying so)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _host(t: Tensor | None) -> np.ndarray | None:
+    """float64, C-contiguous host copy (the encoders need contiguous rows)."""
+    if t is None:
+        return None
+    return np.ascontiguousarray(t.detach().to(device="cpu", dtype=torch.float64).numpy())
+
+
+@dataclass
+class _Partial:
+    """Results of a contiguous run of structures; failures keyed by batch index."""
+
+    energy: np.ndarray
+    fields: dict[str, np.ndarray | None]
+    failures: dict[int, BaseException]
+
+    @classmethod
+    def from_prediction(cls, prediction: PredictionLike) -> _Partial:
+        energy = _host(prediction.energy)
+        assert energy is not None
+        fields = {
+            name: _host(getattr(prediction, name)) for name in _ATOM_FIELDS + _STRUCTURE_FIELDS
+        }
+        return cls(energy=energy, fields=fields, failures={})
+
+    @classmethod
+    def failed(cls, n_atoms: int, index: int, reason: BaseException) -> _Partial:
+        shapes = {
+            "forces": (n_atoms, 3),
+            "energies": (n_atoms,),
+            "virial": (1, 3, 3),
+            "stress": (1, 6),
+        }
+        fields: dict[str, np.ndarray | None] = {k: np.full(v, np.nan) for k, v in shapes.items()}
+        return cls(energy=np.full(1, np.nan), fields=fields, failures={index: reason})
+
+    @classmethod
+    def join(cls, left: _Partial, right: _Partial) -> _Partial:
+        fields: dict[str, np.ndarray | None] = {}
+        for name, a in left.fields.items():
+            b = right.fields[name]
+            fields[name] = None if a is None or b is None else np.concatenate([a, b])
+        energy = np.concatenate([left.energy, right.energy])
+        return cls(energy=energy, fields=fields, failures={**left.failures, **right.failures})
+
+
+class Worker:
+    """Runs batches on the evaluator's device; call ``run`` from one thread only."""
+
+    def __init__(self, evaluator: Evaluator, metrics: ServiceMetrics) -> None:
+        self._evaluator = evaluator
+        self._metrics = metrics
+        self.device = torch.device(evaluator.execution.device)
+
+    def run(self, parts: Sequence[Structures], properties: frozenset[str]) -> BatchOutput:
+        """Evaluate the concatenation of ``parts`` (structures in order) for ``properties``."""
+        start = time.perf_counter()
+        batch = parts[0] if len(parts) == 1 else Structures.concat(parts)
+        partial = self._evaluate(batch.to(self.device), properties, first_index=0)
+        if self.device.type == "cuda":
+            self._metrics.gpu_memory_peak.set(torch.cuda.max_memory_allocated(self.device))
+        f = partial.fields
+        return BatchOutput(
+            energy=partial.energy,
+            forces=f["forces"],
+            energies=f["energies"],
+            virial=f["virial"],
+            stress=f["stress"],
+            failures=partial.failures,
+            seconds=time.perf_counter() - start,
+        )
+
+    def warm_up(self, numbers: Sequence[int]) -> None:
+        """One small periodic pass through every property, so the first request pays no
+        one-time costs (kernel compilation, allocator growth, lazy initialisation)."""
+        grid = np.stack(np.meshgrid(*(np.arange(2.0),) * 3, indexing="ij"), -1).reshape(-1, 3)
+        positions = 2.1 * grid + 0.05 * np.arange(grid.shape[0])[:, None]
+        species = [numbers[k % len(numbers)] for k in range(grid.shape[0])]
+        item = StructureArrays(numbers=species, positions=positions, cell=4.2 * np.eye(3), pbc=None)
+        structures = Structures.from_arrays([item])
+        output = self.run([structures], frozenset(("energy", "forces", "stress", "energies")))
+        if output.failures:
+            raise next(iter(output.failures.values()))
+
+    def _evaluate(self, s: Structures, properties: frozenset[str], first_index: int) -> _Partial:
+        try:
+            return _Partial.from_prediction(self._evaluator.predict(s, properties))
+        except Exception as exc:  # any failure is isolated per structure below
+            oom = is_out_of_memory(exc)
+            what = "out of memory" if oom else f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "pass over structures %d..%d failed (%s)",
+                first_index,
+                first_index + s.n_structures - 1,
+                what,
+                exc_info=None if oom else exc,
+            )
+            # Drop the traceback: its frames pin the failed pass's device tensors.
+            reason = None if oom else exc.with_traceback(None)
+        if oom:
+            self._release_cached_memory()
+        if s.n_structures == 1:
+            if reason is None:
+                self._metrics.oom_failures.inc()
+                reason = StructureTooLargeError(
+                    index=first_index, n_atoms=s.n_atoms, device=str(self.device)
+                )
+            return _Partial.failed(s.n_atoms, first_index, reason)
+        if oom:
+            self._metrics.oom_splits.inc()
+        half = s.n_structures // 2
+        left = self._evaluate(select_structures(s, 0, half), properties, first_index)
+        right = self._evaluate(
+            select_structures(s, half, s.n_structures), properties, first_index + half
+        )
+        return _Partial.join(left, right)
+
+    def _release_cached_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

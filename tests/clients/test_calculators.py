@@ -1,0 +1,206 @@
+"""The ASE calculators: HTTP against a real server, in-process, and both against each other."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from ase import Atoms, units
+from ase.build import molecule
+from ase.calculators.calculator import CalculationFailed, PropertyNotImplementedError
+from ase.md.verlet import VelocityVerlet
+from ase.optimize import BFGS
+
+from clients import SO2Calculator, SO2LocalCalculator
+from clients.http import ServiceError
+from service.api import ServiceSettings, create_app
+from tests.service.fakes import (
+    PairPotential,
+    free_port_socket,
+    rattled_copper,
+    running_server,
+    small_molecule,
+)
+
+RESULTS = ("energy", "free_energy", "forces", "energies")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, PairPotential]]:
+    potential = PairPotential()
+    with running_server(create_app(ServiceSettings(), evaluator=potential)) as url:
+        yield url, potential
+
+
+def paired(atoms: Atoms, url: str, **http_options: object) -> tuple[Atoms, Atoms]:
+    """The same structure with the HTTP calculator and with the in-process one."""
+    remote, local = atoms.copy(), atoms.copy()
+    remote.calc = SO2Calculator(url, **http_options)
+    local.calc = SO2LocalCalculator(PairPotential())
+    return remote, local
+
+
+def assert_identical(a: Atoms, b: Atoms, periodic: bool) -> None:
+    for name in RESULTS + (("stress",) if periodic else ()):
+        x, y = a.calc.get_property(name, a), b.calc.get_property(name, b)
+        assert np.array_equal(x, y), name
+
+
+@pytest.mark.parametrize("wire", ["json", "msgpack"])
+def test_http_equals_in_process_bit_for_bit(server: tuple[str, PairPotential], wire: str) -> None:
+    for atoms in (rattled_copper(2, seed=5), small_molecule("CH3OH", seed=2)):
+        remote, local = paired(atoms, server[0], wire=wire)
+        assert_identical(remote, local, periodic=bool(atoms.pbc.all()))
+        assert remote.calc.provenance["model"]["name"] == "pair-test"
+
+
+def test_results_are_cached_until_the_atoms_change(server: tuple[str, PairPotential]) -> None:
+    url, pot = server
+    atoms = rattled_copper(1, seed=7)
+    atoms.calc = SO2Calculator(url)
+    start = len(pot.calls)
+    energy = atoms.get_potential_energy()
+    atoms.get_forces()
+    atoms.get_stress()  # computed with the first call: the cell is periodic
+    assert len(pot.calls) == start + 1
+    assert atoms.get_potential_energy() == energy
+    atoms.positions[0, 0] += 0.01
+    atoms.get_forces()
+    assert len(pot.calls) == start + 2
+    per_atom = atoms.get_potential_energies()  # not asked for so far: one more evaluation
+    assert len(pot.calls) == start + 3
+    assert per_atom.sum() == pytest.approx(atoms.get_potential_energy(), rel=1e-12)
+
+
+def test_stress_of_a_molecule_is_not_implemented(server: tuple[str, PairPotential]) -> None:
+    for atoms in paired(small_molecule(), server[0]):
+        with pytest.raises(PropertyNotImplementedError, match="periodic along all three"):
+            atoms.get_stress()
+
+
+def test_bfgs_through_the_service_follows_the_in_process_path(
+    server: tuple[str, PairPotential],
+) -> None:
+    remote, local = paired(small_molecule("CH3OH", seed=1), server[0])
+    for atoms in (remote, local):
+        BFGS(atoms, logfile=None).run(fmax=1e-3, steps=6)
+    assert np.array_equal(remote.positions, local.positions)
+    assert remote.get_potential_energy() == local.get_potential_energy()
+
+
+def test_md_through_the_service_follows_the_in_process_trajectory(
+    server: tuple[str, PairPotential],
+) -> None:
+    crystal = rattled_copper(1, seed=2)
+    crystal.set_velocities(np.random.default_rng(0).normal(scale=0.02, size=(len(crystal), 3)))
+    remote, local = paired(crystal, server[0], wire="msgpack")
+    for atoms in (remote, local):
+        VelocityVerlet(atoms, timestep=1.0 * units.fs).run(15)
+    assert np.array_equal(remote.positions, local.positions)
+    assert np.array_equal(remote.get_velocities(), local.get_velocities())
+    assert_identical(remote, local, periodic=True)
+
+
+def test_server_errors_become_calculation_failed(server: tuple[str, PairPotential]) -> None:
+    uranium = Atoms("HU", positions=[[0, 0, 0], [2, 0, 0]])
+    uranium.calc = SO2Calculator(server[0])
+    with pytest.raises(CalculationFailed, match="this model knows only H, C, O, Cu") as info:
+        uranium.get_potential_energy()
+    assert isinstance(info.value, ServiceError)
+    assert (info.value.status, info.value.code) == (422, "unknown_element")
+    assert info.value.detail == {"field": "structures[0].species", "index": 0}
+
+
+def test_unreachable_service_fails_after_retries() -> None:
+    sock = free_port_socket()
+    port = sock.getsockname()[1]
+    sock.close()  # nobody listens there now
+    atoms = small_molecule()
+    atoms.calc = SO2Calculator(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.01)
+    with pytest.raises(CalculationFailed, match="unreachable") as info:
+        atoms.get_potential_energy()
+    assert info.value.code == "unreachable"
+
+
+def test_transient_503_is_retried_then_reported() -> None:
+    attempts: list[int] = []
+    busy = httpx.Response(
+        503,
+        json={"code": "queue_full", "message": "queue full", "detail": None},
+        headers={"Retry-After": "0"},
+    )
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        attempts.append(1)
+        if len(attempts) < 3:
+            return busy
+        return httpx.Response(
+            200,
+            json={"results": [{"n_atoms": 1, "energy": -1.5, "forces": [[0.0, 0.0, 0.5]]}]},
+        )
+
+    atom = Atoms("H", positions=[[0, 0, 0]])
+    atom.calc = SO2Calculator(transport=httpx.MockTransport(flaky), retries=3, backoff_s=0.001)
+    assert atom.get_potential_energy() == -1.5 and len(attempts) == 3
+    assert atom.get_forces().tolist() == [[0.0, 0.0, 0.5]]
+
+    always_busy = Atoms("H", positions=[[0, 0, 0]])
+    always_busy.calc = SO2Calculator(
+        transport=httpx.MockTransport(lambda _: busy), retries=2, backoff_s=0.001
+    )
+    with pytest.raises(CalculationFailed, match="503 queue_full: queue full"):
+        always_busy.get_potential_energy()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random DPA4 model (reference path on CPU), saved like a shipped model."""
+    from service.model.config import preset
+    from service.model.dpa4 import DPA4Model
+    from service.model.io import save_model
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("model") / "tiny-water.safetensors"
+    save_model(DPA4Model(preset("tiny", ["H", "O"])), path)
+    return path
+
+
+def water_box() -> Atoms:
+    box = Atoms(cell=np.diag([5.5, 5.0, 4.8]), pbc=True)
+    for k, shift in enumerate(([0.5, 0.6, 0.7], [2.9, 2.6, 2.4], [1.2, 3.4, 3.5])):
+        water = molecule("H2O")
+        water.rotate(40 * k, "x")
+        water.translate(shift)
+        box += water
+    return box
+
+
+def test_the_real_potential_through_the_service(tiny_model_file: Path) -> None:
+    """The full stack (model file → load_potential → engine → HTTP → ASE) against the
+    in-process calculator on the same file."""
+    settings = ServiceSettings(model=tiny_model_file, device="cpu")
+    with running_server(create_app(settings), timeout_s=120) as url:
+        remote = water_box()
+        remote.calc = SO2Calculator(url)
+        local = water_box()
+        local.calc = SO2LocalCalculator(tiny_model_file, device="cpu")
+        assert_identical(remote, local, periodic=True)
+        assert remote.calc.provenance["model"]["name"] == "tiny-water"
+        assert remote.calc.info()["model"]["elements"] == ["H", "O"]
+
+
+def test_default_model_if_shipped() -> None:
+    from service.model.potential import default_model_path
+
+    if not default_model_path().is_file():
+        pytest.skip("no default model shipped yet (service/models/default.safetensors)")
+    with running_server(create_app(ServiceSettings(device="cpu")), timeout_s=300) as url:
+        remote = water_box()
+        remote.calc = SO2Calculator(url)
+        local = water_box()
+        local.calc = SO2LocalCalculator(device="cpu")
+        assert_identical(remote, local, periodic=True)

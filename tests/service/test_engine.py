@@ -1,0 +1,285 @@
+"""The engine alone (no HTTP): batching, splitting, limits, cancellation, OOM recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from ase import Atoms
+
+from service.engine import (
+    BatchLimits,
+    Engine,
+    EvaluationFailedError,
+    EvaluationResult,
+    QueueFullError,
+    ServiceMetrics,
+    StructureTooLargeError,
+    TooManyAtomsError,
+    Worker,
+)
+from service.engine.batcher import estimate_edges
+from service.graph.errors import InvalidStructureError
+from service.graph.structures import Structures
+from tests.service.fakes import PairPotential, element_numbers, rattled_copper, small_molecule
+
+T = TypeVar("T")
+PROPS = frozenset(("energy", "forces", "stress", "energies"))
+
+
+def run_engine(
+    potential: PairPotential,
+    scenario: Callable[[Engine, ServiceMetrics], Awaitable[T]],
+    **limits: Any,
+) -> T:
+    async def main() -> T:
+        metrics = ServiceMetrics()
+        engine = Engine(
+            Worker(potential, metrics),
+            BatchLimits(**limits),
+            metrics,
+            rcut=potential.rcut,
+            elements=element_numbers(potential),
+        )
+        await engine.start()
+        try:
+            return await scenario(engine, metrics)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
+
+
+def metric(metrics: ServiceMetrics, name: str) -> float:
+    value = metrics.registry.get_sample_value(name)
+    return 0.0 if value is None else value
+
+
+def structures_of(*atoms: Atoms) -> Structures:
+    return Structures.from_atoms(list(atoms))
+
+
+def direct(potential: PairPotential, s: Structures) -> dict[str, np.ndarray]:
+    p = potential.predict(s, PROPS)
+    return {k: getattr(p, k).numpy() for k in ("energy", "forces", "energies", "stress")}
+
+
+def assert_same(result: EvaluationResult, expected: dict[str, np.ndarray]) -> None:
+    for name, want in expected.items():
+        got = getattr(result, name)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+async def device_started(potential: PairPotential, calls: int) -> None:
+    """Wait until the potential has been called more than ``calls`` times."""
+    while len(potential.calls) <= calls:
+        await asyncio.sleep(0.002)
+
+
+async def busy(engine: Engine, potential: PairPotential) -> asyncio.Task[EvaluationResult]:
+    """Occupy the device with one request so that the following ones queue up together."""
+    before = len(potential.calls)
+    blocker = asyncio.create_task(engine.evaluate(structures_of(small_molecule("H2O")), PROPS))
+    await device_started(potential, before)
+    return blocker
+
+
+def test_concurrent_requests_coalesce_and_get_their_own_results() -> None:
+    pot = PairPotential(delay_s=0.15)
+    requests = [structures_of(rattled_copper(1, seed=k)) for k in range(4)] + [
+        structures_of(small_molecule(name, seed=k))
+        for k, name in enumerate(("CH4", "CH3OH", "H2O", "C2H6"))
+    ]
+    expected = [direct(PairPotential(), s) for s in requests]
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> list[EvaluationResult]:
+        blocker = await busy(engine, pot)
+        results = await asyncio.gather(*(engine.evaluate(s, PROPS) for s in requests))
+        await blocker
+        return list(results)
+
+    results = run_engine(pot, scenario)
+    for result, want in zip(results, expected, strict=True):
+        assert_same(result, want)
+    assert pot.calls[1] == (8, sum(s.n_atoms for s in requests))  # one pass after the blocker
+
+
+def test_a_lone_client_never_waits_for_the_window() -> None:
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> float:
+        start = time.perf_counter()
+        for _ in range(3):
+            await engine.evaluate(structures_of(small_molecule()), PROPS)
+        return time.perf_counter() - start
+
+    assert run_engine(PairPotential(), scenario, window_s=2.0) < 1.0
+
+
+def test_big_request_is_spread_over_passes_in_order() -> None:
+    pot = PairPotential()
+    molecules = [small_molecule(name, seed=k) for k, name in enumerate(["CH3OH", "CH4", "H2O"] * 4)]
+    s = structures_of(*molecules)
+    expected = direct(PairPotential(), s)
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> EvaluationResult:
+        return await engine.evaluate(s, PROPS)
+
+    result = run_engine(pot, scenario, max_batch_atoms=14)
+    assert_same(result, expected)
+    assert result.timings.passes == len(pot.calls) > 3
+    assert all(atoms <= 14 for _, atoms in pot.calls)
+    assert sum(n for n, _ in pot.calls) == len(molecules)
+
+
+def test_a_structure_above_the_budget_runs_alone() -> None:
+    pot = PairPotential()
+    crystal = structures_of(rattled_copper(2))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> EvaluationResult:
+        return await engine.evaluate(crystal, PROPS)
+
+    result = run_engine(pot, scenario, max_batch_atoms=10, max_batch_edges=50)
+    assert pot.calls == [(1, 32)]
+    assert_same(result, direct(PairPotential(), crystal))
+
+
+def test_refusals_at_admission() -> None:
+    pot = PairPotential()
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> None:
+        with pytest.raises(TooManyAtomsError) as too_many:
+            await engine.evaluate(structures_of(small_molecule(), rattled_copper(2)), PROPS)
+        assert (too_many.value.index, too_many.value.n_atoms, too_many.value.limit) == (1, 32, 20)
+        uranium = Atoms("HU", positions=[[0, 0, 0], [2, 0, 0]])
+        with pytest.raises(InvalidStructureError) as unknown:
+            await engine.evaluate(structures_of(small_molecule(), uranium), PROPS)
+        assert (unknown.value.code, unknown.value.field) == (
+            "unknown_element",
+            "structures[1].species",
+        )
+        assert (
+            metrics.registry.get_sample_value(
+                "so2serve_rejected_requests_total", {"reason": "too_many_atoms"}
+            )
+            == 1
+        )
+
+    run_engine(pot, scenario, max_atoms=20)
+    assert pot.calls == []
+
+
+def test_full_queue_answers_with_retry_after() -> None:
+    pot = PairPotential(delay_s=0.2)
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> None:
+        blocker = await busy(engine, pot)
+        queued = [
+            asyncio.create_task(engine.evaluate(structures_of(small_molecule()), PROPS))
+            for _ in range(2)
+        ]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError) as full:
+            await engine.evaluate(structures_of(small_molecule()), PROPS)
+        assert full.value.retry_after_s >= 1
+        await asyncio.gather(blocker, *queued)  # the admitted ones still complete
+
+    run_engine(pot, scenario, max_queue=2)
+
+
+def test_withdrawn_request_never_reaches_the_device() -> None:
+    pot = PairPotential(delay_s=0.2)
+    ethane = structures_of(small_molecule("C2H6"))  # 8 atoms: recognisable in pot.calls
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> None:
+        blocker = await busy(engine, pot)
+        doomed = asyncio.create_task(engine.evaluate(ethane, PROPS))
+        survivor = asyncio.create_task(engine.evaluate(structures_of(small_molecule("CH4")), PROPS))
+        await asyncio.sleep(0.02)
+        doomed.cancel()
+        await asyncio.gather(blocker, survivor)
+        assert doomed.cancelled()
+        assert engine.queue_depth == 0
+        assert metric(metrics, "so2serve_cancelled_requests_total") == 1
+
+    run_engine(pot, scenario)
+    assert all(atoms != 8 for _, atoms in pot.calls)
+    assert pot.calls[-1] == (1, 5)
+
+
+def test_out_of_memory_bisects_and_recovers() -> None:
+    pot = PairPotential(delay_s=0.05, oom_above_atoms=20)
+    requests = [structures_of(small_molecule("CH3OH", seed=k)) for k in range(4)]  # 4 × 6 atoms
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> list[EvaluationResult]:
+        blocker = await busy(engine, pot)
+        results = await asyncio.gather(*(engine.evaluate(s, PROPS) for s in requests))
+        await blocker
+        assert metric(metrics, "so2serve_oom_splits_total") == 1
+        return list(results)
+
+    results = run_engine(pot, scenario)
+    for result, s in zip(results, requests, strict=True):
+        assert_same(result, direct(PairPotential(), s))
+    assert [atoms for _, atoms in pot.calls[1:]] == [24, 12, 12]
+
+
+def test_a_structure_that_never_fits_fails_alone_with_a_typed_error() -> None:
+    pot = PairPotential(delay_s=0.05, oom_above_atoms=20)
+    crystal_request = structures_of(small_molecule("CH4"), rattled_copper(2))  # 5 + 32 atoms
+    molecule_request = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> EvaluationResult:
+        blocker = await busy(engine, pot)
+        crystal = asyncio.create_task(engine.evaluate(crystal_request, PROPS))
+        molecule = asyncio.create_task(engine.evaluate(molecule_request, PROPS))
+        with pytest.raises(StructureTooLargeError) as oom:
+            await crystal
+        assert (oom.value.index, oom.value.n_atoms) == (1, 32)
+        await blocker
+        assert metric(metrics, "so2serve_oom_failures_total") == 1
+        # The server keeps serving, and the failed structure left no stale state behind.
+        again = await engine.evaluate(molecule_request, PROPS)
+        assert_same(again, direct(PairPotential(), molecule_request))
+        return await molecule
+
+    result = run_engine(pot, scenario)
+    assert_same(result, direct(PairPotential(), molecule_request))
+
+
+class ExplodingOnMethane(PairPotential):
+    def predict(self, structures: Structures, properties: Any) -> Any:
+        if 5 in np.diff(structures.ptr.numpy()):
+            raise RuntimeError("model bug on 5-atom structures")
+        return super().predict(structures, properties)
+
+
+def test_a_model_error_fails_only_its_request() -> None:
+    pot = ExplodingOnMethane(delay_s=0.05)
+    good = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> EvaluationResult:
+        blocker = await busy(engine, pot)
+        bad = asyncio.create_task(
+            engine.evaluate(structures_of(small_molecule("H2O"), small_molecule("CH4")), PROPS)
+        )
+        fine = asyncio.create_task(engine.evaluate(good, PROPS))
+        with pytest.raises(EvaluationFailedError, match=r"structures\[1\].*model bug"):
+            await bad
+        await blocker
+        return await fine
+
+    assert_same(run_engine(pot, scenario), direct(PairPotential(), good))
+
+
+def test_edge_estimate() -> None:
+    crystal, mol = rattled_copper(2), small_molecule("CH3OH")
+    estimate = estimate_edges(structures_of(crystal, mol), rcut=4.0)
+    density = len(crystal) / crystal.get_volume()
+    assert estimate[0] == pytest.approx(len(crystal) * density * 4 / 3 * math.pi * 4.0**3)
+    assert estimate[1] == len(mol) * (len(mol) - 1)  # a small molecule: everyone is a neighbour
+    actual = PairPotential()._edges(structures_of(crystal), [0, len(crystal)])[0].numel()
+    assert 0.7 < estimate[0] / actual < 1.3

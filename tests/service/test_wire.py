@@ -1,0 +1,200 @@
+"""Schemas, wire formats and settings, without a server."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from service.api.errors import ApiError, field_path
+from service.api.schemas import EvaluateRequest
+from service.api.settings import ServiceSettings
+from service.api.wire import (
+    WireFormat,
+    decode,
+    encode,
+    parse_evaluate,
+    request_format,
+    response_format,
+)
+from service.graph.errors import InvalidStructureError
+from tests.service.fakes import rattled_copper, request_document, small_molecule
+
+
+def _json(document: object) -> bytes:
+    return orjson.dumps(document)
+
+
+def test_json_and_msgpack_bodies_give_identical_structures() -> None:
+    crystal = rattled_copper()
+    rng = np.random.default_rng(0)
+    crystal.positions += rng.normal(scale=1e-3, size=crystal.positions.shape)  # full-precision bits
+    doc = request_document([crystal, small_molecule()], ["energy", "stress"])
+    _, from_json = parse_evaluate(_json(doc), WireFormat.JSON)
+    binary = {
+        "structures": [
+            {
+                "species": crystal.numbers.tolist(),
+                "positions": crystal.positions.astype("<f8").tobytes(),
+                "cell": crystal.cell.array.astype("<f8").tobytes(),
+            },
+            doc["structures"][1],
+        ],
+        "properties": ["energy", "stress"],
+    }
+    _, from_msgpack = parse_evaluate(msgpack.packb(binary), WireFormat.MSGPACK)
+    for name in ("numbers", "positions", "cells", "pbc", "ptr"):
+        a, b = getattr(from_json, name), getattr(from_msgpack, name)
+        assert a.dtype == b.dtype and bool((a == b).all()), name
+    assert np.array_equal(from_json.positions[: len(crystal)].numpy(), crystal.positions)
+
+
+def test_symbols_and_numbers_are_equivalent() -> None:
+    mol = small_molecule()
+    by_symbol = request_document([mol])
+    by_number = {
+        **by_symbol,
+        "structures": [{**by_symbol["structures"][0], "species": mol.numbers.tolist()}],
+    }
+    _, a = parse_evaluate(_json(by_symbol), WireFormat.JSON)
+    _, b = parse_evaluate(_json(by_number), WireFormat.JSON)
+    assert bool((a.numbers == b.numbers).all())
+
+
+def test_default_properties_and_extra_fields() -> None:
+    request = EvaluateRequest.model_validate(
+        request_document([small_molecule()]) | {"properties": []}
+    )
+    assert request.properties == []
+    doc = request_document([small_molecule()])
+    del doc["properties"]
+    assert EvaluateRequest.model_validate(doc).properties == ["energy", "forces"]
+    doc["structures"][0]["position"] = [[0, 0, 0]]  # a typo must not be ignored
+    with pytest.raises(ValidationError) as info:
+        EvaluateRequest.model_validate(doc)
+    assert field_path(info.value.errors()[0]["loc"]) == "structures[0].position"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d.update(properties=["energy", "hessian"]), "properties[1]"),
+        (lambda d: d["structures"][0].update(positions=[["a", 0, 0]]), "structures[0].positions"),
+        (lambda d: d["structures"][0].update(species="CH4"), "structures[0].species"),
+        (lambda d: d["structures"][0].update(species=[6.0, 1.0]), "structures[0].species"),
+        (lambda d: d["structures"][0].update(pbc=[1, 0, 0]), "structures[0].pbc"),
+        (lambda d: d.update(structures=[]), "structures"),
+    ],
+)
+def test_schema_errors_name_the_field(mutate, field: str) -> None:  # type: ignore[no-untyped-def]
+    doc = request_document([small_molecule()])
+    mutate(doc)
+    with pytest.raises(ValidationError) as info:
+        parse_evaluate(_json(doc), WireFormat.JSON)
+    assert field_path(info.value.errors()[0]["loc"]).startswith(field)
+
+
+def test_binary_positions_of_wrong_length_are_rejected() -> None:
+    doc = {"structures": [{"species": [1], "positions": b"\x00" * 20}]}
+    with pytest.raises(ValidationError, match="24 bytes per row"):
+        parse_evaluate(msgpack.packb(doc), WireFormat.MSGPACK)
+
+
+ORIGIN, UNIT_X = [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]
+BAD_STRUCTURES = [
+    ({"species": ["H", "Xx"], "positions": [ORIGIN, UNIT_X]}, "unknown_element", "species"),
+    ({"species": [6, "H"], "positions": [ORIGIN, UNIT_X]}, "unknown_element", "species"),
+    ({"species": [1, 1], "positions": [ORIGIN]}, "shape_mismatch", "positions"),
+    ({"species": [1], "positions": [[0, 0]]}, "ragged_positions", "positions"),
+    ({"species": [1, 1], "positions": [ORIGIN, ORIGIN]}, "coincident_atoms", "positions"),
+    ({"species": [1], "positions": [ORIGIN], "pbc": True}, "bad_pbc", "pbc"),
+    (
+        {"species": [1], "positions": [ORIGIN], "cell": [UNIT_X, [2, 0, 0], [0, 0, 1]]},
+        "singular_cell",
+        "cell",
+    ),
+]
+
+
+@pytest.mark.parametrize(("structure", "code", "field"), BAD_STRUCTURES)
+def test_invalid_structures_raise_typed_errors(structure: dict, code: str, field: str) -> None:  # type: ignore[type-arg]
+    good = request_document([small_molecule()])["structures"][0]
+    body = _json({"structures": [good, structure]})
+    with pytest.raises(InvalidStructureError) as info:
+        parse_evaluate(body, WireFormat.JSON)
+    assert info.value.code == code
+    assert info.value.field == f"structures[1].{field}"
+    assert info.value.index == 1
+
+
+def test_non_finite_positions_only_in_msgpack() -> None:
+    # JSON has no NaN literal (a 400); msgpack can carry one (a 422 from validation).
+    with pytest.raises(ApiError) as info:
+        decode(b'{"structures": [{"species": [1], "positions": [[NaN, 0, 0]]}]}', WireFormat.JSON)
+    assert info.value.status == 400
+    body = msgpack.packb({"structures": [{"species": [1], "positions": [[float("nan"), 0, 0]]}]})
+    with pytest.raises(InvalidStructureError) as bad:
+        parse_evaluate(body, WireFormat.MSGPACK)
+    assert bad.value.code == "non_finite_positions"
+
+
+@pytest.mark.parametrize("body", [b"{", b"\xc1", b"[1, 2", b"\x92\x01"])
+def test_malformed_bodies_are_400(body: bytes) -> None:
+    fmt = WireFormat.JSON if body[:1] in b"{[" else WireFormat.MSGPACK
+    with pytest.raises(ApiError) as info:
+        decode(body, fmt)
+    assert (info.value.status, info.value.code) == (400, "malformed_body")
+
+
+def test_content_negotiation() -> None:
+    assert request_format("application/json; charset=utf-8") is WireFormat.JSON
+    assert request_format("application/x-msgpack") is WireFormat.MSGPACK
+    for bad in (None, "text/plain", "application/x-www-form-urlencoded"):
+        with pytest.raises(ApiError) as info:
+            request_format(bad)
+        assert info.value.status == 415
+    assert response_format(None, WireFormat.MSGPACK) is WireFormat.MSGPACK
+    assert response_format("*/*", WireFormat.JSON) is WireFormat.JSON
+    assert (
+        response_format("application/msgpack, application/json", WireFormat.JSON)
+        is WireFormat.MSGPACK
+    )
+    assert response_format("application/json", WireFormat.MSGPACK) is WireFormat.JSON
+
+
+def test_encoders_carry_float64_exactly() -> None:
+    rng = np.random.default_rng(1)
+    forces = rng.normal(size=(5, 3)) * 10.0 ** rng.integers(-300, 300, size=(5, 3))
+    document = {"results": [{"n_atoms": 5, "energy": float(rng.normal()), "forces": forces}]}
+    as_json = orjson.loads(encode(document, WireFormat.JSON))["results"][0]
+    as_msgpack = msgpack.unpackb(encode(document, WireFormat.MSGPACK))["results"][0]
+    assert np.array_equal(np.array(as_json["forces"]), forces)
+    assert np.array_equal(np.frombuffer(as_msgpack["forces"], "<f8").reshape(5, 3), forces)
+    assert as_json["energy"] == as_msgpack["energy"] == document["results"][0]["energy"]
+
+
+def test_settings_from_environment_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SO2SERVE_MAX_ATOMS", "123")
+    monkeypatch.setenv("SO2SERVE_BATCH_WINDOW_MS", "0.5")
+    settings = ServiceSettings(max_queue=7)
+    assert (settings.max_atoms, settings.batch_window_ms, settings.max_queue) == (123, 0.5, 7)
+    assert ServiceSettings(max_atoms=5).max_atoms == 5  # explicit beats environment
+    with pytest.raises(ValidationError, match="device"):
+        ServiceSettings(device="gpu0")
+    with pytest.raises(ValidationError):
+        ServiceSettings(unknown_setting=1)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.7", "example.org", "::"])
+def test_refuses_exposed_host_without_key(host: str) -> None:
+    with pytest.raises(ValidationError, match="refusing to listen"):
+        ServiceSettings(host=host)
+    assert ServiceSettings(host=host, api_key="k").host == host
+    assert ServiceSettings(host=host, insecure=True).insecure
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_loopback_hosts_need_no_key(host: str) -> None:
+    assert ServiceSettings(host=host).api_key is None
