@@ -165,5 +165,30 @@ def info(
     _print_json(load_potential(model, device="cpu").info())
 
 
+@app.command("import-deepmd")
+def import_deepmd(
+    checkpoint: Annotated[Path, typer.Argument(help="DeePMD-kit DPA4 checkpoint (.pt)")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="model file to write")],
+) -> None:
+    """Convert a DeePMD-kit DPA4 checkpoint into an so2serve model file (no pickled code runs)."""
+    from service.model.deepmd_import import import_deepmd_checkpoint
+    from service.model.errors import ModelFileError, UnsupportedCheckpointError
+
+    try:
+        config = import_deepmd_checkpoint(checkpoint, output)
+    except (ModelFileError, UnsupportedCheckpointError, FileNotFoundError) as exc:
+        raise _fail(str(exc)) from None
+    _err.print(f"wrote {output} ({', '.join(config.type_map)}; rcut {config.rcut} Å)")
+
+
+def _register_training_commands() -> None:
+    from service.training.cli import eval_command, train_command
+
+    app.command("train")(train_command)
+    app.command("eval")(eval_command)
+
+
+_register_training_commands()
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,113 @@
+"""Typer-ready commands for ``so2serve train`` and ``so2serve eval``.
+
+Both are plain functions whose parameters carry their typer metadata, so ``service/cli.py``
+registers each in one line: ``app.command("train")(train_command)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from service.model.errors import ModelConfigError, ModelFileError
+from service.training.config import ConfigError, load_config
+from service.training.data import DataError
+from service.training.evaluate import evaluate_model
+from service.training.loop import TrainResult, train
+
+__all__ = ["eval_command", "train_command"]
+
+
+def _configure_logging(verbose: bool) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("so2serve").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def train_command(
+    config: Annotated[Path, typer.Argument(help="Training config (TOML or JSON).")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override a config key, TOML value: --set run.steps=2000 --set optim.lr=5e-4",
+        ),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the run's checkpoint if present.")
+    ] = False,
+    output_dir: Annotated[
+        Path | None, typer.Option("--output-dir", "-o", help="Overrides run.output_dir.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> TrainResult:
+    """Train a model as the config says; writes the model file, checkpoint and logs."""
+    _configure_logging(verbose)
+    overrides = list(set_ or [])
+    if resume:
+        overrides.append("run.resume=true")
+    if output_dir is not None:
+        overrides.append(f"run.output_dir={json.dumps(str(output_dir))}")
+    try:
+        result = train(load_config(config, overrides))
+    except (ConfigError, DataError, ModelConfigError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    typer.echo(
+        json.dumps(
+            {
+                "model": str(result.model_path),
+                "steps": result.steps,
+                "exported_step": result.exported_step,
+                "wall_s": round(result.wall_s, 1),
+                "execution": result.execution,
+                "validation": {
+                    k: v if math.isfinite(v) else None for k, v in result.validation.items()
+                },
+                "log": str(result.log_csv),
+            },
+            indent=2,
+        )
+    )
+    return result
+
+
+def eval_command(
+    model: Annotated[
+        str, typer.Argument(help="Model file (.safetensors), or 'default' for the shipped model.")
+    ],
+    data: Annotated[
+        list[Path], typer.Argument(help="DeePMD systems / folders of systems / ASE files.")
+    ],
+    json_output: Annotated[
+        Path | None, typer.Option("--json", help="Write the report as JSON here.")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write energy/force parity plots (PNG) here.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    path: Annotated[str, typer.Option(help="Execution path: auto | fused | reference")] = "auto",
+    batch_size: Annotated[int, typer.Option(help="Frames per evaluation batch.")] = 8,
+) -> None:
+    """Energy/force/virial RMSE and MAE per system and overall (+ parity plot, JSON)."""
+    _configure_logging(False)
+    try:
+        report = evaluate_model(
+            None if model == "default" else Path(model),
+            data,
+            device=device,
+            path=path,
+            batch_size=batch_size,
+            parity_plot=plot,
+            json_output=json_output,
+        )
+    except (DataError, ModelFileError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    typer.echo(report.to_json())

@@ -1,0 +1,255 @@
+"""Accuracy of a model on labelled data: RMSE/MAE per system and overall, parity plots, JSON.
+
+``so2serve eval MODEL DATA...`` runs :func:`evaluate_model`; training's validation uses
+:func:`evaluate_frames`. Units and per-atom conventions are those of
+:mod:`service.training.metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.model.potential import Potential, Prediction, load_potential
+from service.training.data import (
+    DataError,
+    FrameDataset,
+    TrainingBatch,
+    iterate_batches,
+    load_dataset,
+)
+from service.training.metrics import PropertyErrors, batch_errors
+
+__all__ = [
+    "EvalReport",
+    "ParityData",
+    "SetResult",
+    "evaluate_batches",
+    "evaluate_frames",
+    "evaluate_model",
+    "predict_batch",
+    "properties_for",
+    "write_parity_plot",
+]
+
+
+def properties_for(dataset: FrameDataset) -> tuple[str, ...]:
+    """What to predict so every label of the data can be compared."""
+    return ("energy", "forces", "virial") if dataset.has_virial else ("energy", "forces")
+
+
+def predict_batch(
+    potential: Potential,
+    batch: TrainingBatch,
+    properties: Sequence[str],
+    *,
+    create_graph: bool = False,
+) -> Prediction:
+    """Predict one batch on the potential's device (labels stay where they are)."""
+    return potential.predict(
+        batch.structures.to(potential.device), properties, create_graph=create_graph
+    )
+
+
+@dataclass
+class ParityData:
+    """Reference vs predicted values gathered for parity plots (float64 numpy)."""
+
+    energy_ref: list[np.ndarray] = field(default_factory=list)  # eV/atom per frame
+    energy_pred: list[np.ndarray] = field(default_factory=list)
+    forces_ref: list[np.ndarray] = field(default_factory=list)  # eV/Å per component
+    forces_pred: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, batch: TrainingBatch, prediction: Prediction) -> None:
+        labels = batch.labels
+        per_atom = labels.n_atoms.cpu()
+        mask = labels.energy_mask.cpu()
+        self.energy_ref.append((labels.energy.cpu() / per_atom)[mask].numpy())
+        energy = prediction.energy.detach().cpu()
+        self.energy_pred.append((energy / per_atom)[mask].numpy())
+        if prediction.forces is not None:
+            fmask = labels.forces_mask.cpu()
+            self.forces_ref.append(labels.forces.cpu()[fmask].numpy().ravel())
+            self.forces_pred.append(prediction.forces.detach().cpu()[fmask].numpy().ravel())
+
+
+@dataclass
+class SetResult:
+    errors: PropertyErrors
+    parity: ParityData | None
+
+
+def evaluate_batches(
+    potential: Potential,
+    batches: Iterable[TrainingBatch],
+    properties: Sequence[str],
+    *,
+    collect_parity: bool = False,
+) -> SetResult:
+    """Errors of ``potential`` over every labelled item of the batches (no parameter gradients)."""
+    errors = PropertyErrors()
+    parity = ParityData() if collect_parity else None
+    for batch in batches:
+        prediction = predict_batch(potential, batch, properties)
+        labels = batch.labels.to(potential.device)
+        errors.add(batch_errors(labels, prediction.energy, prediction.forces, prediction.virial))
+        if parity is not None:
+            parity.add(batch, prediction)
+    return SetResult(errors, parity)
+
+
+def evaluate_frames(
+    potential: Potential,
+    dataset: FrameDataset,
+    *,
+    batch_size: int,
+    collect_parity: bool = False,
+) -> SetResult:
+    """:func:`evaluate_batches` over a dataset, batched in order."""
+    return evaluate_batches(
+        potential,
+        iterate_batches(dataset, batch_size),
+        properties_for(dataset),
+        collect_parity=collect_parity,
+    )
+
+
+@dataclass
+class EvalReport:
+    """Per-system and overall errors, as written to the JSON output."""
+
+    model: str
+    execution: dict[str, str]
+    systems: dict[str, dict[str, Any]]
+    overall: dict[str, Any]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "model": self.model,
+                "execution": self.execution,
+                "units": {"energy": "eV/atom", "forces": "eV/Å", "virial": "eV/atom"},
+                "overall": self.overall,
+                "systems": self.systems,
+            },
+            indent=2,
+            allow_nan=False,
+        )
+
+
+def _none_if_nan(value: float | int) -> float | int | None:
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def _finite_summary(errors: PropertyErrors, n_frames: int) -> dict[str, Any]:
+    summary: dict[str, Any] = {"frames": n_frames}
+    for name, stats in errors.summary().items():
+        summary[name] = {k: _none_if_nan(v) for k, v in stats.items()}
+    return summary
+
+
+def evaluate_model(
+    model: str | Path | None,
+    data: Sequence[str | Path],
+    *,
+    device: str = "auto",
+    path: str = "auto",
+    batch_size: int = 8,
+    parity_plot: Path | None = None,
+    json_output: Path | None = None,
+) -> EvalReport:
+    """Load a model file and report its errors on each data system and overall.
+
+    ``model=None`` evaluates the shipped default model. Writes the JSON report and a parity
+    plot when paths are given.
+    """
+    potential = load_potential(model, device=device, path=path)
+    dataset = load_dataset(list(data))
+    for source, frames in dataset.by_source().items():
+        unknown = sorted(set(frames.elements) - set(potential.config.type_map))
+        if unknown:
+            raise DataError(
+                source, f"element(s) {unknown} unknown to the model ({potential.config.type_map})"
+            )
+    overall = PropertyErrors()
+    all_parity = ParityData()
+    systems: dict[str, dict[str, Any]] = {}
+    for source, frames in dataset.by_source().items():
+        result = evaluate_frames(potential, frames, batch_size=batch_size, collect_parity=True)
+        overall.merge(result.errors)
+        assert result.parity is not None
+        for name in ("energy_ref", "energy_pred", "forces_ref", "forces_pred"):
+            getattr(all_parity, name).extend(getattr(result.parity, name))
+        systems[source] = _finite_summary(result.errors, len(frames))
+    execution = potential.execution
+    report = EvalReport(
+        model=str(model) if model is not None else "default",
+        execution={
+            "path": execution.path,
+            "precision": execution.precision,
+            "device": execution.device,
+        },
+        systems=systems,
+        overall=_finite_summary(overall, len(dataset)),
+    )
+    if json_output is not None:
+        json_output.parent.mkdir(parents=True, exist_ok=True)
+        json_output.write_text(report.to_json() + "\n")
+    if parity_plot is not None:
+        write_parity_plot(all_parity, parity_plot, title=report.model)
+    return report
+
+
+def write_parity_plot(parity: ParityData, path: Path, *, title: str = "") -> None:
+    """Energy and force parity panels side by side, as a PNG.
+
+    Energies are per atom in meV/atom, shifted by the mean reference energy per atom (total
+    energies per atom differ from each other only in the last digits).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def joined(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    energy_ref, energy_pred = joined(parity.energy_ref), joined(parity.energy_pred)
+    shift = float(energy_ref.mean()) if energy_ref.size else 0.0
+    panels = (
+        (
+            "energy",
+            "energy per atom − mean (meV/atom)",
+            1000.0 * (energy_ref - shift),
+            1000.0 * (energy_pred - shift),
+            "meV/atom",
+        ),
+        (
+            "forces",
+            "force component (eV/Å)",
+            joined(parity.forces_ref),
+            joined(parity.forces_pred),
+            "eV/Å",
+        ),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), constrained_layout=True)
+    for ax, (name, label, ref, pred, unit) in zip(axes, panels, strict=True):
+        if ref.size:
+            rmse = float(np.sqrt(np.mean((pred - ref) ** 2)))
+            lo, hi = float(min(ref.min(), pred.min())), float(max(ref.max(), pred.max()))
+            ax.plot([lo, hi], [lo, hi], color="0.6", lw=1)
+            ax.scatter(ref, pred, s=4, alpha=0.5, rasterized=True)
+            ax.set_title(f"{name}: RMSE {rmse:.4g} {unit}, n={ref.size}")
+        ax.set_xlabel(f"reference {label}")
+        ax.set_ylabel(f"predicted {label}")
+    if title:
+        fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
