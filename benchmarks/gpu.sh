@@ -49,7 +49,14 @@ case "$topic" in
     run python3 benchmarks/service.py "$@"
     ;;
   train)
-    run python3 -m service.cli train "$@"
+    STEP_S=${TRAIN_S:-560} run python3 -m service.cli train configs/water_small.toml "$@"
+    cp service/models/default.safetensors "$out/" 2>/dev/null
+    cp runs/water_small/log.csv "$out/train_log.csv" 2>/dev/null
+    run python3 -m service.cli eval default .gpu_data/data/water --json "$out/eval.json" --plot "$out/eval.png"
+    ;;
+  md)
+    run python3 -m service.training.md_check default .gpu_data/data/water/data_0 --steps 20000 --max-wall-s "${MD_S:-240}" --out runs/md_check
+    cp runs/md_check/* "$out/" 2>/dev/null
     ;;
   *) echo "unknown topic $topic"; exit 2 ;;
 esac

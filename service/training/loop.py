@@ -203,6 +203,8 @@ def initialize_energy_bias(
     with torch.no_grad():
         bias.copy_(torch.tensor([reference.get(s, 0.0) for s in model_types]))
     potential = Potential(model, device=device, path=path)
+    # Potential moved the model: take the buffer again, the one fetched above may be a stale copy.
+    bias = model.get_buffer("energy_bias")
     totals = torch.zeros(len(model_types), dtype=torch.float64, device=potential.device)
     counts = torch.zeros_like(totals)
     sample = frames.subset(range(min(sample_frames, len(frames))))
