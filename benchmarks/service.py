@@ -1,6 +1,7 @@
 """Service benchmark (GPU; the lead runs it): HTTP overhead and throughput vs in-process.
 
     python benchmarks/service.py [--model FILE] [--device cuda] [--duration 10]
+    python benchmarks/service.py --device cpu --fake-model [--sizes 192 768] [--repeats 200]
 
 1. Per-request overhead: one water box of 192, 1,536 and 12,288 atoms, energy + forces, as
    the in-process calculator sees it (``Structures.from_atoms`` → ``predict`` → host arrays)
@@ -15,6 +16,12 @@ The server runs in its own process (``so2serve serve``), started after the in-pr
 has released the GPU memory. Without ``--model`` the shipped default model is used, or, if
 there is none yet, a random model of DeePMD's bar configuration (benchmarks/model.py).
 Raw numbers go to ``benchmarks/results/service-<date>.json``.
+
+``--fake-model`` (CPU micro-benchmark, no GPU needed): the server evaluates with a do-nothing
+model (zeros of the right shapes), so the round trip is pure service overhead. It reports, per
+size and wire format, the round trip against the in-process path (validate → predict → host
+arrays) and a breakdown: client encode / decode, server parse + validation, engine hand-off,
+response encode, and the rest (HTTP, ASGI, framework). Written to ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,7 +53,13 @@ from ase import Atoms
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients.http import decode_response, encode_request, encode_structure  # noqa: E402
+from clients.http import (  # noqa: E402
+    decode_response,
+    encode_request,
+    encode_structure,
+    result_arrays,
+)
+from service.engine import Evaluator  # noqa: E402
 from service.graph.structures import Structures  # noqa: E402
 from service.model.potential import Potential, default_model_path, load_potential  # noqa: E402
 
@@ -103,7 +117,7 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
-def in_process_step(potential: Potential, atoms: list[Atoms]) -> Callable[[], object]:
+def in_process_step(potential: Evaluator, atoms: list[Atoms]) -> Callable[[], object]:
     """What SO2LocalCalculator does per call: validate, predict, bring forces to the host."""
 
     def step() -> object:
@@ -258,6 +272,184 @@ def throughput_phase(url: str, client_counts: list[int], duration: float) -> dic
     return rows
 
 
+# -- CPU micro-benchmark with a do-nothing model (--fake-model) -----------------------------------
+
+
+@dataclass(frozen=True)
+class NullExecution:
+    path: str = "null"
+    precision: str = "fp64"
+    device: str = "cpu"
+
+
+@dataclass
+class NullPrediction:
+    energy: torch.Tensor
+    energies: torch.Tensor | None
+    forces: torch.Tensor | None
+    virial: torch.Tensor | None
+    stress: torch.Tensor | None
+
+
+class NullEvaluator:
+    """The ``Evaluator`` surface answering zeros: what is left is the service's own cost."""
+
+    execution = NullExecution()
+
+    def info(self) -> dict[str, Any]:
+        return {"name": "null", "sha256": "0" * 64, "elements": ["H", "O"], "rcut": 6.0}
+
+    def predict(self, structures: Structures, properties: Collection[str]) -> NullPrediction:
+        b, n = structures.n_structures, structures.n_atoms
+        zeros = torch.zeros
+        return NullPrediction(
+            energy=zeros(b, dtype=torch.float64),
+            energies=zeros(n, dtype=torch.float64) if "energies" in properties else None,
+            forces=zeros(n, 3, dtype=torch.float64) if "forces" in properties else None,
+            virial=zeros(b, 3, 3, dtype=torch.float64),
+            stress=zeros(b, 6, dtype=torch.float64) if "stress" in properties else None,
+        )
+
+
+def _serve_null(port: int) -> None:
+    import uvicorn
+
+    from service.api.app import create_app
+    from service.api.settings import ServiceSettings
+
+    settings = ServiceSettings(port=port, log_level="warning")
+    app = create_app(settings, evaluator=NullEvaluator())
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def start_null_server(port: int) -> multiprocessing.process.BaseProcess:
+    server = multiprocessing.get_context("spawn").Process(target=_serve_null, args=(port,))
+    server.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            time.sleep(0.1)
+    server.kill()
+    raise RuntimeError("the fake-model server was not ready within 60 s")
+
+
+def engine_handoff_ms(repeats: int) -> float:
+    """Median admission → worker thread → result delivery of one 192-atom request, no HTTP."""
+    from service.engine import BatchLimits, Engine, ServiceMetrics, Worker
+
+    metrics = ServiceMetrics()
+    structures = Structures.from_atoms([water_atoms(192)])
+
+    async def run() -> float:
+        engine = Engine(
+            Worker(NullEvaluator(), metrics), BatchLimits(), metrics, rcut=6.0, elements=[1, 8]
+        )
+        await engine.start()
+        times = []
+        for k in range(repeats + 3):
+            start = time.perf_counter()
+            await engine.evaluate(structures, PROPERTIES)
+            if k >= 3:
+                times.append(time.perf_counter() - start)
+        await engine.stop()
+        return statistics.median(times) * 1e3
+
+    return asyncio.run(run())
+
+
+def stage_breakdown(atoms: Atoms, binary: bool, repeats: int) -> dict[str, float]:
+    """Medians (ms) of the CPU stages of one request, each run alone in this process."""
+    from service.api.wire import WireFormat, encode, parse_evaluate, structure_results
+    from service.engine import EvaluationResult, EvaluationTimings
+
+    fmt = WireFormat.MSGPACK if binary else WireFormat.JSON
+    body = encode_request([encode_structure(atoms, binary)], PROPERTIES, binary)
+    n = len(atoms)
+    result = EvaluationResult(
+        energy=np.zeros(1),
+        forces=np.zeros((n, 3)),
+        energies=None,
+        virial=None,
+        stress=None,
+        atom_ptr=np.array([0, n]),
+        timings=EvaluationTimings(0.0, 0.0, 1),
+    )
+
+    def respond() -> bytes:
+        rows = structure_results(result, PROPERTIES, np.array([True]))
+        return encode({"results": rows, "provenance": {"request_id": "x" * 32}}, fmt)
+
+    answer = respond()
+    return {
+        "client_encode_ms": median_ms(
+            lambda: encode_request([encode_structure(atoms, binary)], PROPERTIES, binary), repeats
+        ),
+        "server_parse_validate_ms": median_ms(lambda: parse_evaluate(body, fmt), repeats),
+        "server_encode_ms": median_ms(respond, repeats),
+        "client_decode_ms": median_ms(
+            lambda: result_arrays(decode_response(answer, fmt.value)["results"][0]), repeats
+        ),
+    }
+
+
+def fake_model_main(args: argparse.Namespace) -> None:
+    sizes = args.sizes if args.sizes != list(SIZES) else [192, 1536]
+    evaluator = NullEvaluator()
+    handoff = engine_handoff_ms(args.repeats)
+    port = free_port()
+    server = start_null_server(port)
+    rows: dict[str, Any] = {}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            for n in sizes:
+                atoms = water_atoms(n)
+                in_process = median_ms(in_process_step(evaluator, [atoms]), args.repeats)
+                for name, binary in (("json", False), ("msgpack", True)):
+                    timings: list[dict[str, float]] = []
+                    step = http_step(client, atoms, binary, timings)
+                    round_trip = median_ms(step, args.repeats)
+                    server_ms = {
+                        k: statistics.median(t[k] for t in timings[-args.repeats :])
+                        for k in timings[0]
+                    }
+                    stages = stage_breakdown(atoms, binary, args.repeats)
+                    rows[f"{len(atoms)}/{name}"] = {
+                        "round_trip_ms": round_trip,
+                        "in_process_ms": in_process,
+                        "overhead_ms": round_trip - in_process,
+                        "server_timings_ms": server_ms,
+                        "stages_ms": stages,
+                        "engine_handoff_ms": handoff,
+                        # HTTP (client and server), ASGI, routing: what the stages leave.
+                        "http_and_framework_ms": round_trip - sum(stages.values()) - handoff,
+                    }
+    finally:
+        server.terminate()
+        server.join(30)
+    result = {
+        "benchmark": "service-overhead-cpu-fake-model",
+        "date": datetime.now(UTC).isoformat(),
+        "command": " ".join(sys.argv),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "results": rows,
+    }
+    print(json.dumps(result, indent=2))
+    print(f"{'case':>14} {'round trip':>11} {'in-process':>11} {'overhead':>9}  (ms, medians)")
+    for key, row in rows.items():
+        print(
+            f"{key:>14} {row['round_trip_ms']:11.3f} {row['in_process_ms']:11.3f} "
+            f"{row['overhead_ms']:9.3f}"
+        )
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model file (default: shipped, else random bar config)")
@@ -267,7 +459,13 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--fake-model", action="store_true", help="CPU overhead breakdown with a do-nothing model"
+    )
     args = parser.parse_args()
+    if args.fake_model:
+        fake_model_main(args)
+        return
     device = torch.device(args.device)
     workdir = Path(tempfile.mkdtemp(prefix="so2bench-"))
     model = model_file(args.model, workdir)

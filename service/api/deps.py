@@ -1,4 +1,8 @@
-"""FastAPI dependencies: the per-app state, the engine, the API key check."""
+"""FastAPI dependencies: the per-app state, the engine, the API key check.
+
+All are ``async def``: FastAPI runs a plain ``def`` dependency in a worker thread, and those
+hops (several per request) cost more than the whole rest of a small request.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ class ServiceState:
     ready: bool = False
 
 
-def get_state(request: Request) -> ServiceState:
+async def get_state(request: Request) -> ServiceState:
     state: ServiceState = request.app.state.service
     return state
 
@@ -34,7 +38,7 @@ def get_state(request: Request) -> ServiceState:
 State = Annotated[ServiceState, Depends(get_state)]
 
 
-def get_engine(state: State) -> Engine:
+async def get_engine(state: State) -> Engine:
     """The engine, once the model is loaded and warmed up (else 503 not_ready)."""
     if not state.ready or state.engine is None:
         raise ApiError(
@@ -54,7 +58,7 @@ def _presented_key(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def require_api_key(request: Request, state: State) -> None:
+async def require_api_key(request: Request, state: State) -> None:
     """401 unless the request carries the server's key (when it has one)."""
     expected = state.settings.api_key
     if expected is None:

@@ -43,7 +43,7 @@ from service.engine.errors import (
 from service.engine.metrics import ServiceMetrics
 from service.engine.worker import BatchOutput, Worker, select_structures
 from service.graph.errors import InvalidStructureError
-from service.graph.structures import Structures
+from service.graph.structures import MAX_ATOMIC_NUMBER, Structures
 
 log = logging.getLogger("so2serve.engine")
 
@@ -92,14 +92,15 @@ def estimate_edges(structures: Structures, rcut: float) -> np.ndarray:
     and a finite molecule cannot have more than n−1 neighbours per atom.
     """
     n_atoms = np.diff(structures.ptr.cpu().numpy()).astype(np.float64)
-    cells = structures.cells.detach().cpu().numpy()
-    periodic = structures.pbc.cpu().numpy().all(axis=1)
-    volume = np.abs(np.linalg.det(cells))
+    pbc = structures.pbc.cpu().numpy()
+    periodic = pbc.all(axis=1)
     density = np.full_like(n_atoms, REFERENCE_DENSITY)
-    measurable = periodic & (volume > 0)
-    density[measurable] = n_atoms[measurable] / volume[measurable]
+    if periodic.any():  # (determinants only where there is a full cell)
+        volume = np.abs(np.linalg.det(structures.cells.detach().cpu().numpy()[periodic]))
+        rows = np.flatnonzero(periodic)[volume > 0]
+        density[rows] = n_atoms[rows] / volume[volume > 0]
     neighbours = density * (4.0 / 3.0) * math.pi * rcut**3
-    isolated = ~structures.pbc.cpu().numpy().any(axis=1)
+    isolated = ~pbc.any(axis=1)
     neighbours[isolated] = np.minimum(neighbours[isolated], n_atoms[isolated] - 1.0)
     return n_atoms * neighbours
 
@@ -226,6 +227,11 @@ class Engine:
         self._metrics = metrics
         self._rcut = rcut
         self._elements = None if elements is None else np.array(sorted(elements), dtype=np.int64)
+        # known[z]: whether the model has element z (a table lookup, no per-request set search).
+        self._known: np.ndarray | None = None
+        if self._elements is not None:
+            self._known = np.zeros(MAX_ATOMIC_NUMBER + 1, dtype=np.bool_)
+            self._known[self._elements] = True
         self._queue: deque[_Job] = deque()
         self._arrived = asyncio.Event()
         self._queued_atoms = 0
@@ -333,20 +339,21 @@ class Engine:
             )
 
     def _check_elements(self, structures: Structures, atom_ptr: np.ndarray) -> None:
-        if self._elements is None:
+        if self._known is None or self._elements is None:
             return
-        numbers = structures.numbers.cpu().numpy()
-        unknown = np.flatnonzero(~np.isin(numbers, self._elements))
-        if unknown.size:
+        numbers = structures.numbers.cpu().numpy()  # validated: 1..MAX_ATOMIC_NUMBER
+        known = self._known[numbers]
+        if not known.all():
+            unknown = np.flatnonzero(~known)
             self._metrics.rejected.labels("unknown_element").inc()
             atom = int(unknown[0])
             i = int(np.searchsorted(atom_ptr, atom, side="right")) - 1
-            known = ", ".join(chemical_symbols[z] for z in self._elements)
+            names = ", ".join(chemical_symbols[z] for z in self._elements)
             z = int(numbers[atom])
             raise InvalidStructureError(
                 "unknown_element",
                 f"structures[{i}] contains {chemical_symbols[z]} (Z={z}) at atom "
-                f"{atom - int(atom_ptr[i])}; this model knows only {known}",
+                f"{atom - int(atom_ptr[i])}; this model knows only {names}",
                 field=f"structures[{i}].species",
                 index=i,
             )

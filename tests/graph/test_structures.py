@@ -160,3 +160,101 @@ def test_validation_is_fast() -> None:
     start = time.perf_counter()
     Structures.from_arrays([item])
     assert time.perf_counter() - start < 0.25  # ~3 ms on one core; generous for loaded CI
+
+
+# -- coincident atoms: the host search against the cell-list search of the graph layer ------------
+D = 1e-4
+
+
+def _random_structure(rng: np.random.Generator, kind: str, n: int) -> StructureArrays:
+    """Uniformly random atoms (an accidental pair within 1e-4 Å is vanishingly unlikely);
+    ``kind`` picks the periodicity."""
+    cells = {
+        "molecule": (None, None),
+        "bulk": (np.diag([6.0, 7.0, 5.5]) + rng.uniform(-1.5, 1.5, (3, 3)), [True] * 3),
+        "slab": (np.array([[6.0, 0, 0], [2.5, 6.5, 0], [0, 0, 0]]), [True, True, False]),
+        "wire": (np.array([[5.0, 1.0, 0], [0, 0, 0], [0, 0, 0]]), [True, False, False]),
+    }
+    cell, pbc = cells[kind]
+    frame = np.where(np.array(pbc or [False] * 3)[:, None], cell if cell is not None else 0, 0)
+    frac = rng.uniform(-0.2, 1.2, (n, 3))
+    positions = frac @ frame + rng.uniform(0, 8.0, (n, 3)) * (frame == 0).all(axis=1)
+    return StructureArrays(numbers=[1] * n, positions=positions, cell=cell, pbc=pbc)
+
+
+def _plant(rng: np.random.Generator, item: StructureArrays, lattice_shift: bool) -> None:
+    """Move atom 1 within D/2 of atom 0 (or of one of its periodic images)."""
+    x = np.asarray(item.positions)
+    target = x[0].copy()
+    if lattice_shift and item.cell is not None:
+        shift = rng.integers(-2, 3, 3) * np.asarray(item.pbc)
+        target = target + shift @ np.asarray(item.cell)
+    step = rng.normal(size=3)
+    x[1] = target + 0.5 * D * rng.uniform() * step / np.linalg.norm(step)
+
+
+def _graph_layer_verdict(structures: Structures) -> int | None:
+    """Structure index the cell-list search rejects, or None."""
+    from service.graph.cell_list import find_pairs
+
+    try:
+        find_pairs(
+            structures.positions,
+            structures.cells,
+            structures.pbc,
+            structures.ptr,
+            D,
+            min_distance=D,
+        )
+    except InvalidStructureError as exc:
+        return exc.index
+    return None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_coincident_search_agrees_with_cell_list(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    items = [
+        _random_structure(rng, kind, int(rng.integers(2, 60)))
+        for kind in ("molecule", "bulk", "slab", "wire")
+    ]
+    planted = int(rng.integers(0, len(items)))
+    _plant(rng, items[planted], lattice_shift=bool(seed % 2))
+    unchecked = Structures.from_arrays(items, check_coincident=False)
+    assert _graph_layer_verdict(unchecked) == planted
+    err = _error(items)
+    assert (err.code, err.index, err.field) == (
+        "coincident_atoms",
+        planted,
+        f"structures[{planted}].positions",
+    )
+    assert "atoms 0 and 1" in err.message
+    clean = [item for k, item in enumerate(items) if k != planted]
+    assert Structures.from_arrays(clean).n_structures == len(items) - 1
+
+
+def test_coincident_across_a_face_of_a_triclinic_cell() -> None:
+    cell = np.array([[5.0, 0, 0], [2.0, 5.0, 0], [1.0, 1.0, 5.0]])
+    x = np.array([[0.0, 0.0, 0.0], [1.0, 2.0, 2.0], cell.sum(axis=0) - [3e-5, 0, 2e-5]])
+    err = _error([_item(positions=x, cell=cell)])
+    assert err.code == "coincident_atoms" and "atoms 0 and 2 (image [-1, -1, -1])" in err.message
+    x[2] -= 1e-3
+    Structures.from_arrays([_item(positions=x, cell=cell)])
+
+
+def test_crowded_slab_falls_back_to_the_exact_grid_search() -> None:
+    # 30 atoms on one plane perpendicular to the sweep direction, 0.4 Å apart: the sweep gives
+    # up and the grid search must still find (and only find) the planted pair.
+    from service.graph.structures import _PROJECTION
+
+    u = _PROJECTION
+    e1 = np.cross(u, [0.0, 0.0, 1.0])
+    e1 /= np.linalg.norm(e1)
+    e2 = np.cross(u, e1)
+    grid = np.stack(np.meshgrid(np.arange(6), np.arange(5), indexing="ij"), -1).reshape(-1, 2)
+    x = 0.4 * (grid[:, :1] * e1 + grid[:, 1:] * e2)
+    item = StructureArrays(numbers=[1] * len(x), positions=x.copy())
+    Structures.from_arrays([item])
+    x[7] = x[3] + 0.3 * D * e1
+    err = _error([StructureArrays(numbers=[1] * len(x), positions=x)])
+    assert err.code == "coincident_atoms" and "atoms 3 and 7" in err.message
