@@ -1,18 +1,28 @@
 """GPU benchmark of the DPA4 model: energy + forces (+ stress) per step on water boxes.
 
-For each config (``small``, ``medium`` and DeePMD's bar config) and size (192, 1.5k, 12k, 98k
-atoms by default) it times the fused path, the reference path and ``torch.compile`` of the
-reference, and reports ms/step, atom-steps/s, peak memory (MiB and MiB/atom), the share of a step
-spent in graph build, in the SO(2) value-path ops and in the rest, and the fused-vs-reference
-max |ΔF|. Each case runs under every ``--memory`` mode (``fast``: all per-edge activations kept;
-``lean``: edge chunks recomputed in the backward; ``auto``: lean only when needed). Larger sizes
-of a (config, path, memory) series are skipped after its first out-of-memory, and
-``--find-max`` then doubles the size from the last that fitted until one does not, reporting the
-largest that fits. Results go to ``benchmarks/results/model_<date>.json``.
+Cases are ``config:size,size,...`` (configs ``small``, ``medium`` and DeePMD's ``bar``); the
+default covers bar at 192/1536/12288 atoms and small/medium at 192/12288. Each case runs the fused
+path and the reference path (``compiled``, ``torch.compile`` of the reference, runs for the
+``--compile-configs`` up to ``--compile-max-atoms``) under every ``--memory`` mode and reports
+ms/step, atom-steps/s, peak memory (MiB and MiB/atom) and the split of one step's CUDA time:
+phases (``so2serve::graph / edge_cache / model / backward / assembly`` profiler ranges of
+``Potential.predict``) and kernels (so2kernels Triton kernels vs everything else). ``--profile``
+also stores the top-30 CUDA kernels and CPU ops of that step and the number of kernel launches.
+A (config, path, memory) series stops at its first out-of-memory; ``--find-max`` doubles past the
+last size until one does not fit.
 
-    python benchmarks/model.py                       # everything
-    python benchmarks/model.py --configs bar --paths fused --memory fast lean --find-max
-    python benchmarks/model.py --configs bar --sizes 192 12288 --paths fused reference
+Agreement (always, unless ``--no-agreement``):
+(i) the shipped default water model (forces ~1 eV/Å): fused vs reference max |ΔF| on water
+    boxes (``--agreement-sizes``), target ≤ 1e-5 eV/Å;
+(ii) the random bar model (forces up to ~250 eV/Å, E ≈ 4.6e4 eV, where fp32 noise alone is
+    ~1e-3 eV/Å): fused-fp32 vs reference-fp64 next to reference-fp32 vs reference-fp64, absolute
+    and relative to max |F| (``--fp64-sizes``), so the fused error can be read against fp32 noise.
+
+Results go to ``benchmarks/results/model_<date>.json``, rewritten after every row (a run cut by a
+time limit keeps what finished).
+
+    python benchmarks/model.py --profile             # the default suite, ~5-8 min on an H200
+    python benchmarks/model.py --cases bar:192,12288 --paths fused --memory fast lean --find-max
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from service.graph.structures import StructureArrays, Structures  # noqa: E402
 from service.model.config import ModelConfig, preset  # noqa: E402
-from service.model.potential import MEMORY_MODES, Potential  # noqa: E402
+from service.model.potential import MEMORY_MODES, Potential, load_potential  # noqa: E402
 from tests.model.randomized import randomized_model  # noqa: E402
 
 WATER_DIRS = (
@@ -105,46 +115,92 @@ def _timed(fn: Any, repeats: int) -> float:
     return (time.perf_counter() - start) * 1000.0 / repeats
 
 
-def _value_path_share(
-    pot: Potential, structures: Structures, props: tuple[str, ...]
-) -> dict[str, float]:
-    """Fractions of one step's CUDA time in graph build and in so2kernels ops (profiler)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+PHASES = ("graph", "edge_cache", "model", "backward", "assembly")
+"""The ``so2serve::<phase>`` profiler ranges of Potential.predict."""
+TOP_N = 30
 
-    from service.graph.neighbors import build_graph
 
+def so2kernels_kernel_names() -> frozenset[str]:
+    """Names of every Triton kernel defined in so2kernels (the value path's device work)."""
+    import importlib
+    import pkgutil
+
+    import so2kernels
+
+    names: set[str] = set()
+    for info in pkgutil.iter_modules(so2kernels.__path__):
+        module = importlib.import_module(f"so2kernels.{info.name}")
+        names.update(
+            name for name, obj in vars(module).items() if type(obj).__name__ == "JITFunction"
+        )
+    return frozenset(names)
+
+
+def _device_us(evt: Any, self_only: bool) -> float:
+    key = "self_device_time_total" if self_only else "device_time_total"
+    legacy = "self_cuda_time_total" if self_only else "cuda_time_total"
+    return float(getattr(evt, key, getattr(evt, legacy, 0.0)))
+
+
+def _top(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    return sorted(rows, key=lambda r: -float(r[key]))[:TOP_N]
+
+
+def profile_step(
+    pot: Potential, structures: Structures, props: tuple[str, ...], detail: bool
+) -> dict[str, Any]:
+    """One profiled step: phase times (ms of CUDA time inside each ``so2serve::`` range), the
+    kernel-time split (so2kernels vs rest), kernel launches, and with ``detail`` the top-30 CUDA
+    kernels and CPU ops by total time."""
+    from torch.autograd import DeviceType  # type: ignore[attr-defined]
+    from torch.profiler import ProfilerActivity, profile
+
+    value_kernels = so2kernels_kernel_names()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        with record_function("graph_build"):
-            build_graph(structures, pot.config.rcut)
         pot.predict(structures, props)
         torch.cuda.synchronize()
-    total = graph = value = 0.0
+    kernels: list[dict[str, Any]] = []
+    cpu_ops: list[dict[str, Any]] = []
+    phases = dict.fromkeys(PHASES, 0.0)
     for evt in prof.key_averages():
-        cuda = float(getattr(evt, "device_time_total", getattr(evt, "cuda_time_total", 0.0)))
-        name = evt.key
-        if name == "graph_build":
-            graph = cuda
-        elif (
-            "so2kernels" in name
-            or "rotate_mix" in name
-            or "mixing_stack" in name
-            or "aggregate" in name
-            or "segment_" in name
-        ):
-            value += float(getattr(evt, "self_device_time_total", cuda))
-        if evt.key.startswith(("void", "triton", "_")) or "kernel" in name.lower():
-            total += float(getattr(evt, "self_device_time_total", 0.0))
-    total = max(total, 1e-9)
-    return {
-        "graph_build": graph / total,
-        "value_path": value / total,
-        "rest": max(0.0, 1 - (graph + value) / total),
+        if evt.key.startswith("so2serve::"):
+            phase = evt.key.split("::", 1)[1]
+            if phase in phases:
+                phases[phase] = max(phases[phase], _device_us(evt, False) / 1e3)
+            continue
+        if evt.device_type == DeviceType.CUDA:
+            kernels.append(
+                {"name": evt.key[:200], "count": evt.count, "ms": _device_us(evt, True) / 1e3}
+            )
+        elif evt.count > 0:
+            cpu_ops.append(
+                {
+                    "name": evt.key[:200],
+                    "count": evt.count,
+                    "cpu_ms": evt.cpu_time_total / 1e3,
+                    "self_cpu_ms": evt.self_cpu_time_total / 1e3,
+                    "cuda_ms": _device_us(evt, False) / 1e3,
+                }
+            )
+    total = sum(k["ms"] for k in kernels)
+    value = sum(k["ms"] for k in kernels if any(v in k["name"] for v in value_kernels))
+    out: dict[str, Any] = {
+        "kernel_ms": total,
+        "kernel_launches": sum(k["count"] for k in kernels),
+        "phase_ms": phases,
+        "value_path_share": value / max(total, 1e-9),
+        "graph_build_share": phases["graph"] / max(total, 1e-9),
     }
+    if detail:
+        out["top_kernels"] = _top(kernels, "ms")
+        out["top_cpu_ops"] = _top(cpu_ops, "cpu_ms")
+    return out
 
 
 def run_case(
-    cfg_name: str, n_atoms: int, path: str, props: tuple[str, ...], repeats: int, memory: str
-) -> dict[str, Any]:
+    cfg_name: str, n_atoms: int, path: str, props: tuple[str, ...], args: argparse.Namespace,
+    memory: str,
+) -> dict[str, Any]:  # fmt: skip
     cfg = CONFIGS[cfg_name]()
     model = randomized_model(cfg)
     pot = Potential(
@@ -167,7 +223,7 @@ def run_case(
         row["first_call_s"] = time.perf_counter() - t0
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        ms = _timed(lambda: pot.predict(structures, props), repeats)
+        ms = _timed(lambda: pot.predict(structures, props), args.repeats)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         row.update(
             ms_per_step=ms,
@@ -176,61 +232,115 @@ def run_case(
             mib_per_atom=peak / structures.n_atoms,
         )
         if path != "compiled":
-            row["time_shares"] = _value_path_share(pot, structures, props)
+            row["profile"] = profile_step(pot, structures, props, args.profile)
     except torch.cuda.OutOfMemoryError:
         row["error"] = "out of memory"
     finally:
+        pot.model = pot.model.cpu()  # free the weights and cached packs before the next case
         torch.cuda.empty_cache()
     return row
 
 
 def run_series(
-    cfg_name: str, path: str, memory: str, sizes: list[int], args: argparse.Namespace
-) -> list[dict[str, Any]]:
+    cfg_name: str, path: str, memory: str, sizes: list[int], args: argparse.Namespace,
+    emit: Any,
+) -> None:  # fmt: skip
     """One (config, path, memory) series over increasing sizes; stops at the first OOM. With
     ``--find-max`` it keeps doubling past the last size until a run does not fit."""
     props = ("energy", "forces", "stress") if args.stress else ("energy", "forces")
-    rows: list[dict[str, Any]] = []
     largest = 0
     for n in sorted(sizes):
-        row = run_case(cfg_name, n, path, props, args.repeats, memory)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        row = run_case(cfg_name, n, path, props, args, memory)
+        emit("rows", row)
         if "error" in row:
             break
         largest = row["n_atoms"]
     else:
         n = 2 * max(sizes)
         while args.find_max and n <= args.max_atoms:
-            row = run_case(cfg_name, n, path, props, 2, memory)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            row = run_case(cfg_name, n, path, props, args, memory)
+            emit("rows", row)
             if "error" in row:
                 break
             largest = row["n_atoms"]
             n *= 2
-    rows.append(
-        {"config": cfg_name, "path": path, "memory": memory, "largest_fitting_atoms": largest}
+    emit(
+        "rows",
+        {"config": cfg_name, "path": path, "memory": memory, "largest_fitting_atoms": largest},
     )
-    return rows
 
 
-def agreement(cfg_name: str, n_atoms: int) -> dict[str, Any]:
-    """Fused vs reference max |ΔF| and |ΔE| on the same model and box."""
-    model = randomized_model(CONFIGS[cfg_name]())
+def _max_abs(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    assert a is not None and b is not None
+    return float((a - b).abs().max())
+
+
+def default_model_agreement(n_atoms: int) -> dict[str, Any]:
+    """Shipped default water model: fused vs reference (both fp32) on one water box."""
     structures = water_box(n_atoms)
     out = {}
     for path in ("fused", "reference"):
-        pot = Potential(model, device="cuda", path=path)
+        pot = load_potential(None, device="cuda", path=path)
         out[path] = pot.predict(structures.to(pot.device), ("energy", "forces"))
-    d_f = float((out["fused"].forces - out["reference"].forces).abs().max())
-    d_e = float((out["fused"].energy - out["reference"].energy).abs().max())
+        del pot
+        torch.cuda.empty_cache()
+    forces = out["reference"].forces
+    assert forces is not None
     return {
-        "config": cfg_name,
+        "model": "default",
         "n_atoms": int(structures.n_atoms),
-        "max_abs_dF": d_f,
-        "max_abs_dE": d_e,
+        "max_abs_F": float(forces.abs().max()),
+        "max_abs_dF_fused_vs_reference": _max_abs(out["fused"].forces, forces),
+        "max_abs_dE_fused_vs_reference": _max_abs(out["fused"].energy, out["reference"].energy),
+        "target_max_abs_dF": 1e-5,
     }
+
+
+def fp64_agreement(cfg_name: str, n_atoms: int) -> dict[str, Any]:
+    """Random model: fused fp32 and reference fp32, each against reference fp64."""
+    model = randomized_model(CONFIGS[cfg_name]())
+    structures = water_box(n_atoms)
+    runs = {"fused": ("fused", "fp32"), "reference": ("reference", "fp32"),
+            "fp64": ("reference", "fp64")}  # fmt: skip
+    out = {}
+    for name, (path, precision) in runs.items():
+        pot = Potential(model, device="cuda", path=path, precision=precision)
+        out[name] = pot.predict(structures.to(pot.device), ("energy", "forces"))
+        del pot
+        torch.cuda.empty_cache()
+    exact_f, exact_e = out["fp64"].forces, out["fp64"].energy
+    assert exact_f is not None
+    scale_f = float(exact_f.abs().max())
+    scale_e = float(exact_e.abs().max())
+    row: dict[str, Any] = {
+        "model": f"random {cfg_name}",
+        "n_atoms": int(structures.n_atoms),
+        "max_abs_F": scale_f,
+        "max_abs_E": scale_e,
+    }
+    for name in ("fused", "reference"):
+        d_f = _max_abs(out[name].forces, exact_f)
+        d_e = _max_abs(out[name].energy, exact_e)
+        row[f"{name}_fp32_vs_fp64"] = {
+            "max_abs_dF": d_f,
+            "rel_dF": d_f / scale_f,
+            "max_abs_dE": d_e,
+            "rel_dE": d_e / scale_e,
+        }
+    return row
+
+
+def parse_cases(cases: list[str]) -> list[tuple[str, list[int]]]:
+    """``["bar:192,1536", "small:192"]`` → ``[("bar", [192, 1536]), ("small", [192])]``."""
+    parsed = []
+    for case in cases:
+        name, _, sizes = case.partition(":")
+        if name not in CONFIGS or not sizes:
+            raise SystemExit(
+                f"bad case {case!r}: use config:size,size with config in {list(CONFIGS)}"
+            )
+        parsed.append((name, [int(n) for n in sizes.split(",")]))
+    return parsed
 
 
 def main() -> None:
@@ -238,33 +348,31 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--configs", nargs="+", default=["small", "medium", "bar"], choices=list(CONFIGS)
+        "--cases", nargs="+", default=["bar:192,1536,12288", "small:192,12288", "medium:192,12288"]
     )
-    parser.add_argument("--sizes", nargs="+", type=int, default=[192, 1536, 12288, 98304])
-    parser.add_argument("--paths", nargs="+", default=["fused", "reference", "compiled"])
-    parser.add_argument("--memory", nargs="+", default=["fast", "lean"], choices=list(MEMORY_MODES))
+    parser.add_argument("--paths", nargs="+", default=["fused", "reference", "compiled"],
+                        choices=["fused", "reference", "compiled"])  # fmt: skip
+    parser.add_argument("--compile-configs", nargs="*", default=["bar"])
+    parser.add_argument("--compile-max-atoms", type=int, default=1536)
+    parser.add_argument("--memory", nargs="+", default=["fast"], choices=list(MEMORY_MODES))
+    parser.add_argument("--profile", action="store_true", help="store top-30 kernels / CPU ops")
     parser.add_argument("--find-max", action="store_true", help="double sizes until OOM")
     parser.add_argument("--max-atoms", type=int, default=1_600_000)
     parser.add_argument("--stress", action="store_true", help="also compute the stress")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-agreement", action="store_true")
     parser.add_argument("--agreement-sizes", nargs="+", type=int, default=[192, 1536, 12288])
+    parser.add_argument("--fp64-configs", nargs="*", default=["bar"])
+    parser.add_argument("--fp64-sizes", nargs="+", type=int, default=[192, 1536])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/model.py needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    rows = []
-    for cfg_name in args.configs:
-        for path in args.paths:
-            for memory in args.memory:
-                rows += run_series(cfg_name, path, memory, args.sizes, args)
-    checks = [agreement(c, n) for c in args.configs for n in args.agreement_sizes]
-    for c in checks:
-        print(json.dumps(c), flush=True)
     import triton
 
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "model",
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -272,14 +380,36 @@ def main() -> None:
         "python": platform.python_version(),
         "date": dt.datetime.now(dt.UTC).isoformat(),
         "command": " ".join(sys.argv),
-        "rows": rows,
-        "agreement": checks,
+        "rows": [],
+        "agreement": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
-    path = args.out / f"model_{stamp}.json"
-    path.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {path}")
+    out_path = args.out / f"model_{stamp}.json"
+
+    def emit(section: str, row: dict[str, Any]) -> None:
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("top_")}), flush=True)
+        doc[section].append(row)
+        out_path.write_text(json.dumps(doc, indent=1))
+
+    for cfg_name, sizes in parse_cases(args.cases):
+        for path in args.paths:
+            if path == "compiled":
+                if cfg_name not in args.compile_configs:
+                    continue
+                sizes_here = [n for n in sizes if n <= args.compile_max_atoms]
+            else:
+                sizes_here = sizes
+            for memory in args.memory:
+                if sizes_here:
+                    run_series(cfg_name, path, memory, sizes_here, args, emit)
+    if not args.no_agreement:
+        for n in args.agreement_sizes:
+            emit("agreement", default_model_agreement(n))
+        for cfg_name in args.fp64_configs:
+            for n in args.fp64_sizes:
+                emit("agreement", fp64_agreement(cfg_name, n))
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

@@ -412,11 +412,11 @@ def canonical_order(dst: Tensor, src: Tensor, shifts: Tensor, *, n_atoms: int) -
     """Sort pairs by ``dst``, then ``src``, then ``shifts`` lexicographically (pairs are unique)."""
     if dst.numel() == 0:
         return PairList(dst, src, shifts)
-    reach = int(shifts.abs().max())
+    # One host read for the three bounds the key packing needs (each int() is a device sync).
+    reach, first, last = torch.stack((shifts.abs().max(), dst.min(), dst.max())).tolist()
     base = 2 * reach + 1
     code = ((shifts[:, 0] + reach) * base + shifts[:, 1] + reach) * base + shifts[:, 2] + reach
-    first = int(dst.min())
-    dst_span = int(dst.max()) - first + 1
+    dst_span = last - first + 1
     if dst_span * n_atoms * base**3 < _MAX_SORT_KEY:
         order = torch.argsort(((dst - first) * n_atoms + src) * base**3 + code)
     else:

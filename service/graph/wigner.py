@@ -17,8 +17,13 @@ Conventions (load-bearing for checkpoints):
   representation of SU(2), made real). We evaluate it as ``monomials(q) @ table_l``; each table
   is the exact expansion of the Cayley–Klein formula, built once per process in float64
   (milliseconds, cached), never per call. Being a polynomial of a smooth quaternion, ``D`` is
-  C^∞ with finite derivatives of every order, including at r̂ = ±z. Evaluation runs in float64
-  (one small GEMM per degree) and is cast to the quaternion's dtype.
+  C^∞ with finite derivatives of every order, including at r̂ = ±z. Evaluation is one small
+  GEMM per degree in the quaternion's dtype up to l = 4 (fp32: ≤ 7e-7 from the exact D on the
+  golden edges, the fp32 quaternion's own rounding) and in float64 from l = 5, whose tables'
+  coefficients (up to ~2e4) would amplify fp32 rounding to ~1.5e-6.
+* Under autograd :func:`wigner_d` keeps only the quaternion (16 B/edge in fp32) and recomputes
+  the polynomial in the backward, instead of keeping the powers and monomial products of every
+  degree; the recomputation is itself differentiable, so force training's double backward works.
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ MAX_LMAX = 8
 
 _CHUNK_FLOAT64_ENTRIES = 2**26
 """Without autograd, edges are processed in chunks whose monomial matrix holds at most this many
-float64 entries (512 MiB)."""
+entries (512 MiB in float64)."""
+
+FLOAT64_FROM_DEGREE = 5
+"""Degrees from this one up are evaluated in float64 whatever the quaternion's dtype."""
 
 _L1_AXES = (1, 2, 0)
 """Cartesian axis feeding each l=1 coefficient (m = −1, 0, +1): (y, z, x) ..."""
@@ -222,29 +230,29 @@ def wigner_blocks(q: Tensor, lmax: int) -> list[Tensor]:
     blocks = [torch.ones(n_edges, 1, 1, dtype=q.dtype, device=q.device)]
     if lmax >= 1:
         blocks.append(l1_block(quaternion_to_rotation(q)))
-    if lmax >= 2:
-        q64 = q.to(torch.float64)
-        powers = _powers(q64.T, 2 * lmax)  # (4, E, 2L+1)
-        for l in range(2, lmax + 1):
-            exponents, coeffs = _device_table(l, q.device)
-            block = _monomials(powers, exponents) @ coeffs
-            blocks.append(block.view(n_edges, 2 * l + 1, 2 * l + 1).to(q.dtype))
+    powers: dict[torch.dtype, Tensor] = {}
+    for l in range(2, lmax + 1):
+        dtype = torch.float64 if l >= FLOAT64_FROM_DEGREE else q.dtype
+        if dtype not in powers:
+            powers[dtype] = _powers(q.to(dtype).T, 2 * lmax)  # (4, E, 2L+1)
+        exponents, coeffs = _device_table(l, q.device)
+        block = _monomials(powers[dtype], exponents) @ coeffs.to(dtype)
+        blocks.append(block.view(n_edges, 2 * l + 1, 2 * l + 1).to(q.dtype))
     return blocks
 
 
-def wigner_d(q: Tensor, lmax: int) -> Tensor:
-    """(E, D, D) block-diagonal real Wigner-D, ``D = (lmax+1)²``, contiguous, q's dtype.
-
-    ``D[e, l²+l+m', l²+l+m] = D^l_{m'm}(q_e)``; off-block entries are exactly 0. Rotation to the
-    edge frame is ``x_loc = D @ x_glob`` (maps r̂ to the local +z axis); back is ``Dᵀ``.
-    Without autograd the float64 intermediates are bounded by evaluating in edge chunks.
-    """
+def _dense_with_autograd(q: Tensor, lmax: int) -> Tensor:
+    """(E, D, D) block-diagonal assembly of :func:`wigner_blocks`, differentiable."""
     n_edges, dim = q.shape[0], (lmax + 1) ** 2
-    if q.requires_grad and torch.is_grad_enabled():
-        values = torch.cat([b.flatten(1) for b in wigner_blocks(q, lmax)], dim=1)
-        flat = torch.zeros(n_edges, dim * dim, dtype=q.dtype, device=q.device)
-        flat = flat.index_copy(1, _block_positions(lmax, q.device), values)
-        return flat.view(n_edges, dim, dim)
+    values = torch.cat([b.flatten(1) for b in wigner_blocks(q, lmax)], dim=1)
+    flat = torch.zeros(n_edges, dim * dim, dtype=q.dtype, device=q.device)
+    flat = flat.index_copy(1, _block_positions(lmax, q.device), values)
+    return flat.view(n_edges, dim, dim)
+
+
+def _dense_in_chunks(q: Tensor, lmax: int) -> Tensor:
+    """(E, D, D) without autograd, edge chunks bounding the monomial intermediates."""
+    n_edges, dim = q.shape[0], (lmax + 1) ** 2
     out = torch.zeros(n_edges, dim, dim, dtype=q.dtype, device=q.device)
     chunk = max(1, _CHUNK_FLOAT64_ENTRIES // len(_monomial_exponents(2 * max(lmax, 1))))
     for start in range(0, n_edges, chunk):
@@ -252,3 +260,47 @@ def wigner_d(q: Tensor, lmax: int) -> Tensor:
         for l, block in enumerate(wigner_blocks(q[rows], lmax)):
             out[rows, l * l : (l + 1) ** 2, l * l : (l + 1) ** 2] = block
     return out
+
+
+class _RecomputedWigner(torch.autograd.Function):
+    """``wigner_d`` that saves only ``q`` and re-evaluates the polynomial in the backward."""
+
+    @staticmethod
+    def forward(q: Tensor, lmax: int) -> Tensor:
+        return _dense_in_chunks(q, lmax)
+
+    @staticmethod
+    def setup_context(
+        ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, int], output: Tensor
+    ) -> None:
+        q, lmax = inputs
+        ctx.save_for_backward(q)
+        ctx.lmax = lmax  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        (q,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        # Grad mode is on here exactly when the caller asked for create_graph: then the
+        # recomputation stays attached to q so the gradient is differentiable again.
+        create_graph = torch.is_grad_enabled()
+        with torch.enable_grad():
+            point = q if create_graph else q.detach().requires_grad_(True)
+            dense = _dense_with_autograd(point, ctx.lmax)  # type: ignore[attr-defined]
+            (grad_q,) = torch.autograd.grad(dense, point, grad, create_graph=create_graph)
+        return grad_q, None
+
+
+def wigner_d(q: Tensor, lmax: int) -> Tensor:
+    """(E, D, D) block-diagonal real Wigner-D, ``D = (lmax+1)²``, contiguous, q's dtype.
+
+    ``D[e, l²+l+m', l²+l+m] = D^l_{m'm}(q_e)``; off-block entries are exactly 0. Rotation to the
+    edge frame is ``x_loc = D @ x_glob`` (maps r̂ to the local +z axis); back is ``Dᵀ``.
+    Evaluated in edge chunks (bounded intermediates); under autograd only ``q`` is kept and the
+    backward recomputes.
+    """
+    if not 0 <= lmax <= MAX_LMAX:
+        raise ValueError(f"wigner_d supports lmax in 0..{MAX_LMAX}, got {lmax}")
+    if q.requires_grad and torch.is_grad_enabled():
+        out: Tensor = _RecomputedWigner.apply(q, lmax)  # type: ignore[no-untyped-call]
+        return out
+    return _dense_in_chunks(q, lmax)

@@ -6,6 +6,9 @@
     → E per structure (float64) → one autograd.grad(E, edge_vec) → forces, virial (CSR sums)
     → stress = −sym(W)/V
 
+Each phase runs under a ``so2serve::<phase>`` profiler range (graph, edge_cache, model, backward,
+assembly; free when no profiler is active), so benchmarks/model.py --profile can split a step.
+
 Forces are exactly −∂E/∂r and the virial is the strain derivative (both from the edge gradient,
 service.graph.assembly). ``create_graph=True`` keeps the graph so a force loss can be
 differentiated (training). The execution path (fused so2kernels ops vs their eager references) and
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 from ase.data import atomic_numbers
 from torch import Tensor
+from torch.profiler import record_function
 
 from service.graph.assembly import assemble_forces_virial, stress_from_virial
 from service.graph.edge_cache import build_edge_cache
@@ -178,15 +182,18 @@ class Potential:
         self.metadata = metadata or PotentialMetadata(
             name="in-memory", sha256="", elements=cfg.type_map, rcut=cfg.rcut, config=cfg
         )
-        self._types_of_number = _type_lookup(cfg.type_map).to(self.device)
+        self._types_of_number = _type_lookup(cfg.type_map)
 
     @property
     def config(self) -> ModelConfig:
         return self.model.config
 
     def atom_types(self, structures: Structures) -> Tensor:
-        """Type index of every atom; unknown elements raise ``InvalidStructureError``."""
-        types = self._types_of_number[structures.numbers.clamp(0, 118)]
+        """Type index of every atom, on the structures' device; unknown elements raise
+        ``InvalidStructureError``. Runs where the atomic numbers live (the host for requests),
+        so the check costs no device sync."""
+        table = self._types_of_number.to(structures.numbers.device)
+        types = table[structures.numbers.clamp(0, 118)]
         unknown = types < 0
         if bool(unknown.any()):
             atom = int(torch.nonzero(unknown)[0, 0])
@@ -215,31 +222,29 @@ class Potential:
                 f"unknown properties {sorted(unknown)}; choose from {sorted(PROPERTIES)}"
             )
         cfg = self.config
+        types = self.atom_types(structures).to(self.device)
         structures = structures.to(self.device)
-        types = self.atom_types(structures)
-        graph = build_graph(structures, cfg.rcut)
+        with record_function("so2serve::graph"):
+            graph = build_graph(structures, cfg.rcut)
         want_grad = bool({"forces", "virial", "stress"} & set(properties))
         with torch.enable_grad() if (want_grad or create_graph) else torch.no_grad():
             vec = edge_vectors(graph, structures.positions, structures.cells)
             edge_vec = vec.detach().requires_grad_(want_grad)
-            cache = build_edge_cache(
-                graph,
-                edge_vec,
-                rcut=cfg.rcut,
-                lmax=cfg.lmax,
-                env_exponents=cfg.env_exponents,
-                deg_floor=cfg.degree_norm_floor,
-                eps=cfg.eps,
-                dtype=self.dtype,
-            )
+            with record_function("so2serve::edge_cache"):
+                cache = build_edge_cache(
+                    graph, edge_vec, rcut=cfg.rcut, lmax=cfg.lmax,
+                    env_exponents=cfg.env_exponents, deg_floor=cfg.degree_norm_floor,
+                    eps=cfg.eps, dtype=self.dtype,
+                )  # fmt: skip
             edge_chunk = edge_chunk_for(
                 self.execution.memory, cfg, int(graph.src.shape[0]), self.device,
                 create_graph=create_graph,
             )  # fmt: skip
-            atom_energy = self.model(
-                types, cache, fused=self.execution.path == "fused", live_weights=create_graph,
-                edge_chunk=edge_chunk,
-            )  # fmt: skip
+            with record_function("so2serve::model"):
+                atom_energy = self.model(
+                    types, cache, fused=self.execution.path == "fused",
+                    live_weights=create_graph, edge_chunk=edge_chunk,
+                )  # fmt: skip
             energy = atom_energy.new_zeros(structures.n_structures).index_add(
                 0, structures.atom_batch, atom_energy
             )
@@ -248,14 +253,16 @@ class Potential:
                 result.energies = atom_energy if create_graph else atom_energy.detach()
             if not want_grad:
                 return result
-            (edge_grad,) = torch.autograd.grad(
-                energy.sum(), edge_vec, create_graph=create_graph, allow_unused=True
-            )
+            with record_function("so2serve::backward"):
+                (edge_grad,) = torch.autograd.grad(
+                    energy.sum(), edge_vec, create_graph=create_graph, allow_unused=True
+                )
             if edge_grad is None:  # no edges at all: nothing depends on geometry
                 edge_grad = torch.zeros_like(edge_vec)
-            assembled = assemble_forces_virial(
-                graph, edge_grad.double(), edge_vec.detach().double()
-            )
+            with record_function("so2serve::assembly"):
+                assembled = assemble_forces_virial(
+                    graph, edge_grad.double(), edge_vec.detach().double(), atom_virial=False
+                )
         if "forces" in properties:
             result.forces = assembled.forces
         if "virial" in properties or "stress" in properties:

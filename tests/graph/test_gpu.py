@@ -30,11 +30,14 @@ def test_cuda_graph_equals_cpu_graph() -> None:
     cpu = _batch()
     gpu = cpu.to("cuda")
     expected = build_graph(cpu, 5.0, backend="vesin")
-    got = build_graph(gpu, 5.0)  # auto → torch on CUDA
-    assert got.src.is_cuda
-    for name in ("src", "dst", "shifts", "dst_rowptr", "src_order", "src_rowptr", "edge_ptr"):
+    got = build_graph(gpu, 5.0, backend="torch")
+    host_built = build_graph(gpu, 5.0)  # auto → vesin on the host for a small batch, then copied
+    assert got.src.is_cuda and host_built.src.is_cuda
+    for name in ("src", "dst", "shifts", "edge_batch", "atom_batch", "dst_rowptr", "src_order",
+                 "src_rowptr", "edge_ptr"):  # fmt: skip
         assert torch.equal(getattr(got, name).cpu(), getattr(expected, name)), name
-    chunked = build_graph(gpu, 5.0, candidate_budget=1000)
+        assert torch.equal(getattr(host_built, name), getattr(got, name)), name
+    chunked = build_graph(gpu, 5.0, backend="torch", candidate_budget=1000)
     assert torch.equal(chunked.src, got.src) and torch.equal(chunked.shifts, got.shifts)
 
 
@@ -52,5 +55,5 @@ def test_cuda_edge_cache_matches_cpu() -> None:
 
 def test_cuda_graph_is_deterministic() -> None:
     gpu = _batch().to("cuda")
-    a, b = build_graph(gpu, 5.0), build_graph(gpu, 5.0)
+    a, b = build_graph(gpu, 5.0, backend="torch"), build_graph(gpu, 5.0, backend="torch")
     assert torch.equal(a.src, b.src) and torch.equal(a.src_order, b.src_order)

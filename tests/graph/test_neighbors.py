@@ -147,3 +147,21 @@ def test_coincident_atoms_found_by_graph() -> None:
         with pytest.raises(InvalidStructureError) as info:
             build_graph(structures, 3.0, backend=backend)  # type: ignore[arg-type]
         assert info.value.code == "coincident_atoms" and info.value.index == 0
+
+
+def test_auto_backend_choice_by_device_and_size() -> None:
+    """``auto``: vesin on the host for CPU batches and small CUDA batches, torch for big CUDA
+    batches; explicit choices are kept, unknown names refused."""
+    from types import SimpleNamespace
+
+    from service.graph.neighbors import VESIN_MAX_ATOMS, resolve_backend
+
+    def batch(device: str, n_atoms: int) -> Structures:
+        return SimpleNamespace(device=torch.device(device), n_atoms=n_atoms)  # type: ignore[return-value]
+
+    assert resolve_backend(batch("cpu", 10**6), "auto") == "vesin"
+    assert resolve_backend(batch("cuda", VESIN_MAX_ATOMS), "auto") == "vesin"
+    assert resolve_backend(batch("cuda", VESIN_MAX_ATOMS + 1), "auto") == "torch"
+    assert resolve_backend(batch("cuda", 10), "torch") == "torch"
+    with pytest.raises(ValueError, match="backend"):
+        resolve_backend(batch("cpu", 10), "cuda")  # type: ignore[arg-type]

@@ -215,5 +215,43 @@ def test_chunked_no_grad_path_equals_autograd_path(monkeypatch: pytest.MonkeyPat
     q = _random_quat(37, 10)
     monkeypatch.setattr(wigner_module, "_CHUNK_FLOAT64_ENTRIES", 84 * 5)  # 5 edges per chunk
     chunked = wigner_d(q, 3)
-    leaf = q.clone().requires_grad_(True)
-    assert torch.equal(chunked, wigner_d(leaf, 3).detach())
+    dense = wigner_module._dense_with_autograd(q.clone().requires_grad_(True), 3)
+    assert torch.equal(chunked, dense.detach())
+
+
+def test_fp32_evaluation_per_degree_vs_golden(golden: np.lib.npyio.NpzFile) -> None:
+    """fp32 polynomial evaluation (l <= 4) stays at the fp32 quaternion's rounding; l >= 5 runs
+    in float64. The whole D in fp32 is within 2e-6 of the exact float64 golden D."""
+    vec = torch.from_numpy(golden["edge_vec"]).float()
+    d = wigner_d(_quat(vec), 6).double().numpy()
+    exact = golden["D_full_f64"]
+    for l in range(7):
+        rows = slice(l * l, (l + 1) ** 2)
+        error = np.abs(d[:, rows, rows] - exact[:, rows, rows]).max()
+        assert error <= (1e-6 if l <= 4 else 2e-6), (l, error)
+
+
+def test_backward_keeps_only_the_quaternion() -> None:
+    """The recomputing backward saves q alone (no powers or monomials), and its gradient equals
+    differentiating the plain evaluation."""
+    import service.graph.wigner as wigner_module
+
+    q = _random_quat(50, 11).float().requires_grad_(True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        d = wigner_d(q, 4)
+    assert len(saved) == 1 and saved[0].shape == (50, 4)
+    weights = torch.randn(d.shape, generator=torch.Generator().manual_seed(3))
+    (got,) = torch.autograd.grad((d * weights).sum(), q)
+    plain = wigner_module._dense_with_autograd(q, 4)
+    (expected,) = torch.autograd.grad((plain * weights).sum(), q)
+    torch.testing.assert_close(got, expected, rtol=0.0, atol=1e-5)
+
+
+def test_gradgradcheck_through_recomputation() -> None:
+    vec = torch.tensor(
+        [[0.3, -1.1, 0.8], [1e-4, 2e-4, 1.0], [-0.5, 0.2, -1.5]],
+        dtype=torch.float64,
+        requires_grad=True,
+    )
+    assert torch.autograd.gradgradcheck(lambda v: wigner_d(_quat(v), 2), (vec,), atol=1e-6)

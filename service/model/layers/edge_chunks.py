@@ -50,6 +50,20 @@ class EdgeChunk:
     def nodes(self) -> slice:
         return slice(self.node_start, self.node_stop)
 
+    def edge_rows(self, values: Tensor) -> Tensor:
+        """The chunk's rows of a per-edge tensor ``(E, ...)``; the tensor itself when the chunk
+        is the whole graph: even a full-range slice costs a zero-filled full-size gradient
+        buffer plus a copy in the backward."""
+        if self.edge_start == 0 and self.edge_stop == values.shape[0]:
+            return values
+        return values[self.edge_start : self.edge_stop]
+
+    def node_rows(self, values: Tensor) -> Tensor:
+        """The chunk's rows of a per-node tensor ``(N, ...)`` (itself for the whole graph)."""
+        if self.node_start == 0 and self.node_stop == values.shape[0]:
+            return values
+        return values[self.node_start : self.node_stop]
+
 
 def whole_graph(graph: GraphLike) -> EdgeChunk:
     """One chunk covering the whole graph, sharing the graph's own CSR tensors."""

@@ -317,8 +317,8 @@ class SO2Convolution(nn.Module):
         parts = []
         for chunk in chunks:
             edge_pass = partial(self._edge_pass, chunk, stack, fused, taps)
-            edge = chunk.edges
-            args = (wide, q, k, radial[edge], cache.wigner[edge], cache.env[edge],
+            rows = chunk.edge_rows
+            args = (wide, q, k, rows(radial), rows(cache.wigner), rows(cache.env),
                     cache.inv_sqrt_deg)  # fmt: skip
             if recompute:
                 parts.append(checkpoint(edge_pass, *args, use_reentrant=False))
@@ -373,9 +373,9 @@ class SO2Convolution(nn.Module):
         del u0, z_all  # the stack's autograd node keeps what its backward needs
         ops = EdgeOps(chunk, fused)
         if self.attention is not None:
-            weights = self.attention.edge_weights(q[chunk.nodes], k, rad_l0, env, ops)
+            weights = self.attention.edge_weights(chunk.node_rows(q), k, rad_l0, env, ops)
         else:
-            weights = (env * ops.from_dst(inv_sqrt_deg[chunk.nodes]))[:, None]
+            weights = (env * ops.from_dst(chunk.node_rows(inv_sqrt_deg)))[:, None]
         if fused:
             return attention_aggregate(x_local, wigner, weights, chunk.dst_rowptr, self.lmax)
         message = self.rotate_back(x_local, wigner)
@@ -383,7 +383,7 @@ class SO2Convolution(nn.Module):
         if self.attention is None:
             # DeePMD's order: env-weighted sum, then the degree normalisation of the centre.
             out = sum_into_dst(message * env[:, None, None], chunk.dst, chunk.n_nodes)
-            return out * inv_sqrt_deg[chunk.nodes, None, None]
+            return out * chunk.node_rows(inv_sqrt_deg)[:, None, None]
         groups = weights.shape[1]
         weighted = (
             message.view(n_edges, d, groups, self.hidden // groups) * weights[:, None, :, None]
