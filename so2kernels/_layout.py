@@ -16,7 +16,7 @@ m=0 block of the SO(2) linear: ``M0 = (L+1)·Cf`` columns (rows 0..L of the redu
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -50,7 +50,7 @@ def n_kernel_slots(lmax: int) -> int:
     return (lmax + 1) ** 2 + lmax**2
 
 
-@lru_cache(maxsize=None)
+@cache
 def reduced_to_packed(lmax: int) -> tuple[int, ...]:
     """Packed index of every reduced row: ``[l²+l | l²+l-1 (l≥1) | l²+l+1 (l≥1)]``."""
     m0 = [l * l + l for l in range(lmax + 1)]
@@ -59,7 +59,7 @@ def reduced_to_packed(lmax: int) -> tuple[int, ...]:
     return tuple(m0 + neg + pos)
 
 
-@lru_cache(maxsize=None)
+@cache
 def reduced_row_degree(lmax: int) -> tuple[int, ...]:
     """Degree l of every reduced row: ``[0..L, 1..L, 1..L]``."""
     return tuple(list(range(lmax + 1)) + list(range(1, lmax + 1)) * 2)

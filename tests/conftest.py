@@ -23,7 +23,7 @@ GPU_DATA = Path(__file__).resolve().parents[1] / ".gpu_data"
 
 
 def shared_path(*parts: str) -> Path:
-    """Path into the shared material, from ../shared or the carried .gpu_data copy; skip if absent."""
+    """A path into ../shared, or into its carried .gpu_data copy; skips the test if absent."""
     for root in (SHARED, GPU_DATA):
         p = root.joinpath(*parts)
         if p.exists():
