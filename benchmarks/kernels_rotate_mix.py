@@ -3,15 +3,19 @@
 For C_wide 128/256, lmax 2/3, F 1/2, rank 1/2 at E edges (default 1M, ~64 edges per node):
 forward and forward+backward time (median of CUDA-event timings), effective GB/s of the fused
 kernels against a minimal-traffic model, peak memory above the inputs, and the fused error
-against a float64 reference on the first edges. Writes one JSON under benchmarks/results/.
+against a float64 reference on the first edges. Each row names the backward schedule the tile
+table picked (``fused_bwd_variant``, ``fused_bwd_tiles``) and, with ``--compare-variants``, times
+the backward launch alone under both schedules (``bwd_node_ms``, ``bwd_edge_ms``). Writes one
+JSON under benchmarks/results/.
 
     python benchmarks/kernels_rotate_mix.py                      # full grid, E = 1M
-    python benchmarks/kernels_rotate_mix.py --edges 200000 --cases 128,2,1,1
+    python benchmarks/kernels_rotate_mix.py --edges 200000 --cases 128,2,1,1 --compare-variants
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import statistics
@@ -27,7 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from so2kernels._layout import SUPPORTED_FOCUS_DIMS, n_coeff, n_kernel_slots, n_reduced
 from so2kernels.rotate_mix import rotate_mix, rotate_mix_reference
+from so2kernels.rotate_mix_backward import launch_rotate_mix_bwd
 from so2kernels.segment import csr_from_index
+from so2kernels.tiles import LaunchTiles, fallback_tiles, rotate_mix_tiles
+
+EDGE_COMPARISON_TILES = LaunchTiles(block_e=2, num_warps=4, variant="edge")
+"""The edge schedule timed by --compare-variants when the table did not pick it."""
 
 H200_HBM_GBPS = 4800.0
 """H200 SXM peak HBM3e bandwidth."""
@@ -133,7 +142,37 @@ def run_case(
                     row[f"{other}_{phase}_ms"] / row[f"fused_{phase}_ms"]
                 )
     row["fused_max_rel_err_vs_fp64"] = fused_error(ops)
+    tiles = rotate_mix_tiles("bwd", c_wide, lmax, rank, ops[0].device)
+    row["fused_bwd_variant"] = tiles.variant
+    row["fused_bwd_tiles"] = dataclasses.asdict(tiles)
+    if args.compare_variants:
+        row.update(time_variants(ops, grad_u, tiles, args))
     return row
+
+
+def time_variants(
+    ops: Operands, grad_u: torch.Tensor, picked: LaunchTiles, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Backward launch alone (no basis gradient, as in force evaluation) under each schedule:
+    the table's pick for its variant, the fallback or EDGE_COMPARISON_TILES for the other."""
+    x, src, order, row_ptr, wigner, kc, cb, lmax, n_focus, rank = ops
+    c_wide = x.shape[2]
+    schedules = {
+        "node": picked if picked.variant == "node" else fallback_tiles("bwd", c_wide, lmax),
+        "edge": picked if picked.variant == "edge" else EDGE_COMPARISON_TILES,
+    }
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for variant, tiles in schedules.items():
+
+            def launch(tiles: LaunchTiles = tiles) -> object:
+                return launch_rotate_mix_bwd(grad_u, x.detach(), src, order, row_ptr,
+                                             wigner.detach(), kc.detach(), cb.detach(), lmax,
+                                             n_focus, rank, False, tiles)  # fmt: skip
+
+            out[f"bwd_{variant}_ms"] = time_ms(launch, args.warmup, args.iters)
+            out[f"bwd_{variant}_tiles"] = dataclasses.asdict(tiles)
+    return out
 
 
 def fused_error(ops: Operands, n_check: int = 20_000) -> float:
@@ -161,6 +200,11 @@ def main() -> None:
         "--cases", nargs="*", default=None, help="c_wide,lmax,n_focus,rank (default: full grid)"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--compare-variants",
+        action="store_true",
+        help="also time the backward launch under both schedules (node, edge)",
+    )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -1,10 +1,11 @@
 """Tune the rotate-mix launch tables on the local GPU and write so2kernels/tables/<gpu>.json.
 
-Every candidate (block_e, num_warps) is first validated against the float64 reference on a small
-problem (a candidate that fails to compile or to match is dropped), then timed at the sweep size.
-The forward entry is the fastest candidate. A backward entry is written only when a candidate
-beat the fallback (per-edge, table-free) configuration: entries with block_e > 1 are the
-edge-block variant's win-list.
+Every candidate (block_e, num_warps[, variant]) is first validated against the float64 reference
+on a small problem (a candidate that fails to compile or to match is dropped), then timed at the
+sweep size. The forward entry is the fastest candidate. The backward times both schedules, the
+node-centric one ("node") and the edge-parallel one with its CSR segment sum ("edge"), and writes
+the winner with its ``variant`` only when it beat the fallback (node, per-edge, table-free); the
+best time of each variant is recorded beside it (``node_ms``, ``edge_ms``).
 
     python benchmarks/sweep_tiles.py                        # default keys
     python benchmarks/sweep_tiles.py --keys 128,2,1,1 256,3,2,2 --edges 500000
@@ -34,6 +35,7 @@ from so2kernels.rotate_mix_backward import (
 from so2kernels.segment import csr_from_index
 from so2kernels.tiles import (
     TABLES_DIR,
+    VARIANTS,
     LaunchTiles,
     device_slug,
     fallback_tiles,
@@ -41,7 +43,9 @@ from so2kernels.tiles import (
 )
 
 FWD_CANDIDATES = [LaunchTiles(b, w) for b in (1, 2, 4, 8) for w in (2, 4, 8)]
-BWD_CANDIDATES = [LaunchTiles(b, w) for b in (1, 2, 4) for w in (4, 8, 16)]
+BWD_CANDIDATES = [LaunchTiles(b, w, "node") for b in (1, 2, 4) for w in (4, 8, 16)] + [
+    LaunchTiles(b, w, "edge") for b in (1, 2, 4, 8) for w in (2, 4, 8)
+]
 VALIDATION_REL_TOL = 1e-5
 
 
@@ -76,8 +80,8 @@ def validate(direction: str, tiles: LaunchTiles, key: tuple[int, int, int, int])
             got = launch_rotate_mix_fwd(x, src, wigner, kc, cb, lmax, n_focus, rank, tiles)
             return rel_err(got, rotate_mix_reference(*ref)) <= VALIDATION_REL_TOL
         grad_u = torch.randn(n_focus, 3000, n_reduced(lmax) * (c_wide // n_focus), device="cuda")
-        outs = launch_rotate_mix_bwd(grad_u, x, order, row_ptr, wigner, kc, cb, lmax, n_focus,
-                                     rank, True, tiles)  # fmt: skip
+        outs = launch_rotate_mix_bwd(grad_u, x, src, order, row_ptr, wigner, kc, cb, lmax,
+                                     n_focus, rank, True, tiles)  # fmt: skip
         wants = rotate_mix_backward_reference(grad_u.double(), *ref)
         return all(rel_err(g, w) <= VALIDATION_REL_TOL for g, w in zip(outs, wants, strict=True))
     except Exception as err:  # a candidate that does not compile or launch is simply dropped
@@ -92,8 +96,8 @@ def time_candidate(direction: str, tiles: LaunchTiles, ops: tuple[Any, ...], gra
     def run() -> object:
         if direction == "fwd":
             return launch_rotate_mix_fwd(x, src, wigner, kc, cb, lmax, n_focus, rank, tiles)
-        return launch_rotate_mix_bwd(grad_u, x, order, row_ptr, wigner, kc, cb, lmax, n_focus,
-                                     rank, False, tiles)  # fmt: skip
+        return launch_rotate_mix_bwd(grad_u, x, src, order, row_ptr, wigner, kc, cb, lmax,
+                                     n_focus, rank, False, tiles)  # fmt: skip
 
     for _ in range(2):
         run()
@@ -123,8 +127,15 @@ def sweep_key(key: tuple[int, int, int, int], args: argparse.Namespace) -> dict[
         if not timings:
             continue
         best = min(timings, key=timings.__getitem__)
-        entry = {"block_e": best.block_e, "num_warps": best.num_warps, "ms": timings[best],
+        entry: dict[str, Any] = {"block_e": best.block_e, "num_warps": best.num_warps,
+                                 "ms": timings[best],
                  "fallback_ms": timings.get(fallback)}  # fmt: skip
+        if direction == "bwd":
+            entry["variant"] = best.variant
+            for variant in VARIANTS:
+                times = [ms for tiles, ms in timings.items() if tiles.variant == variant]
+                entry[f"{variant}_ms"] = min(times, default=None)
+            print(f"  bwd winner {best}: {timings[best]:.3f} ms", flush=True)
         if direction == "fwd" or best != fallback:
             result[direction] = entry
     return result

@@ -62,9 +62,7 @@ __all__ = [
 
 _OP = "so2_attention_aggregate"
 
-# ---------------------------------------------------------------------------------------------
 # Input checks (shapes and dtypes only: no device synchronisation)
-# ---------------------------------------------------------------------------------------------
 
 
 def check_aggregate_inputs(
@@ -126,9 +124,7 @@ def _check_grad_out(grad_out: Tensor, x_local: Tensor, dst_rowptr: Tensor, lmax:
         )
 
 
-# ---------------------------------------------------------------------------------------------
 # Eager reference (any dtype; differentiable by autograd to any order)
-# ---------------------------------------------------------------------------------------------
 
 
 @cache
@@ -234,11 +230,9 @@ def attention_aggregate_backward_reference(
     return grad_x, grad_wigner, grad_weights
 
 
-# ---------------------------------------------------------------------------------------------
 # Triton kernels. A node program walks its dst segment BLOCK_E edges at a time; tiles are
 # (BLOCK_E, DP, BC): edges × packed rows (D padded to a power of two) × channel lanes (masked).
 # Every offset that scales with E or N is int64.
-# ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -385,9 +379,7 @@ def _aggregate_bwd_kernel(
         )
 
 
-# ---------------------------------------------------------------------------------------------
 # Launchers
-# ---------------------------------------------------------------------------------------------
 
 _INTERPRETER_BLOCK_E = 16
 """Under TRITON_INTERPRET the cost is programs × ops: walk segments in wide edge blocks."""
@@ -467,9 +459,7 @@ def launch_aggregate_bwd(
     return grad_x, grad_wigner, grad_weights
 
 
-# ---------------------------------------------------------------------------------------------
 # Op registration
-# ---------------------------------------------------------------------------------------------
 
 
 @triton_op(f"so2kernels::{_OP}", mutates_args=())
@@ -564,9 +554,7 @@ def _aggregate_backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]
 _aggregate_op.register_autograd(_aggregate_backward, setup_context=_aggregate_setup_context)
 
 
-# ---------------------------------------------------------------------------------------------
 # Typed Python entry point
-# ---------------------------------------------------------------------------------------------
 
 
 def attention_aggregate(

@@ -56,9 +56,7 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------
 # Operand checks
-# ----------------------------------------------------------------------------------------------
 
 
 def check_gated_act_operands(op: str, z: Tensor, gw: Tensor, lmax: int, focus_dim: int) -> None:
@@ -77,9 +75,7 @@ def check_gated_act_operands(op: str, z: Tensor, gw: Tensor, lmax: int, focus_di
         )
 
 
-# ----------------------------------------------------------------------------------------------
 # Eager references (any dtype, differentiable by plain autograd)
-# ----------------------------------------------------------------------------------------------
 
 
 def _gate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -202,9 +198,7 @@ def gated_act_double_backward_reference(
     return d_grad, d_z, d_gw
 
 
-# ----------------------------------------------------------------------------------------------
 # Launchers (Triton kernels live in so2kernels.mixing_stack_kernels, shared with the stack)
-# ----------------------------------------------------------------------------------------------
 
 
 def _gate_grid(n_edge: int, width: int, n_focus: int, cfg: TileConfig) -> tuple[int, int]:
@@ -252,9 +246,7 @@ def _gated_act_bwd_fused(
     return grad_z, grad_logit
 
 
-# ----------------------------------------------------------------------------------------------
 # Op registration
-# ----------------------------------------------------------------------------------------------
 
 
 def _check_gwt(op: str, gw: Tensor, gwt: Tensor) -> None:

@@ -181,9 +181,7 @@ def mixing_stack_backward_reference(
     )  # fmt: skip
 
 
-# ----------------------------------------------------------------------------------------------
 # Fused Triton traversal
-# ----------------------------------------------------------------------------------------------
 
 
 class _Launcher:
@@ -298,10 +296,8 @@ def _stack_backward_fused(
     return g, grad_alpha, grads_w0, grads_w1, grads_gw
 
 
-# ----------------------------------------------------------------------------------------------
 # Op registration: the first-order backward as one op (no autograd of its own: the training
 # path that differentiates the backward again goes through stack_backward_composed instead)
-# ----------------------------------------------------------------------------------------------
 
 
 @torch.library.triton_op("so2kernels::so2_mixing_stack_bwd", mutates_args=())

@@ -56,9 +56,7 @@ from so2kernels._layout import (
 )
 from so2kernels.tiles import LaunchTiles, rotate_mix_tiles
 
-# ---------------------------------------------------------------------------------------------
 # Input checks (shapes only: no device synchronisation)
-# ---------------------------------------------------------------------------------------------
 
 
 def check_rotate_mix_inputs(
@@ -135,9 +133,7 @@ def check_fused_regime(
         require_fp32("so2_rotate_mix", cb=cb)
 
 
-# ---------------------------------------------------------------------------------------------
 # Eager reference (any dtype; differentiable by autograd to any order)
-# ---------------------------------------------------------------------------------------------
 
 
 @cache
@@ -189,7 +185,7 @@ def fold_mixing_blocks(blocks: Tensor, lmax: int) -> Tensor:
     block_m1 = (
         blocks[:, n_m0 : n_m0 + lmax, n_m0 : n_m0 + lmax] + blocks[:, n_m0 + lmax :, n_m0 + lmax :]
     )
-    return torch.cat([block_m0.reshape(n_edge, -1), block_m1.reshape(n_edge, -1)], dim=1)
+    return torch.cat([block_m0.flatten(1), block_m1.flatten(1)], dim=1)
 
 
 def to_focus_major(y: Tensor, n_focus: int) -> Tensor:
@@ -247,13 +243,11 @@ def rotate_mix_reference(
     return to_focus_major(mix_degrees_reference(xr, kc, cb, lmax, rank), n_focus)
 
 
-# ---------------------------------------------------------------------------------------------
 # Triton building blocks shared by the forward and backward kernels.
 # A "tile" is (BLOCK_E, BC): BLOCK_E edges × BC = next_pow2(C_wide) channel lanes (masked).
 # Strides inside one edge's or one node's block are compile-time constants (the launcher
 # normalises layouts), so the many scalar Wigner/kernel loads address as base + immediate
 # instead of holding a 64-bit address each. Offsets that scale with E or N are int64.
-# ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -382,9 +376,7 @@ def _kernel_edge_stride(L: tl.constexpr, CW: tl.constexpr, RANK: tl.constexpr):
         return ((L + 1) * (L + 1) + L * L) * RANK
 
 
-# ---------------------------------------------------------------------------------------------
 # Forward kernel: one program per BLOCK_E consecutive edges, all channels.
-# ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -420,9 +412,7 @@ def _rotate_mix_fwd_kernel(
         tl.store(u_tile + r * CF, y[r], mask=tile_mask)
 
 
-# ---------------------------------------------------------------------------------------------
 # Launcher
-# ---------------------------------------------------------------------------------------------
 
 
 def kernel_operands(
@@ -469,9 +459,7 @@ def launch_rotate_mix_fwd(
     return u
 
 
-# ---------------------------------------------------------------------------------------------
 # Op registration (the autograd formula is registered by rotate_mix_backward, imported below)
-# ---------------------------------------------------------------------------------------------
 
 
 @triton_op("so2kernels::so2_rotate_mix", mutates_args=())

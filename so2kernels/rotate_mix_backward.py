@@ -13,14 +13,21 @@ n_focus, rank, want_cb) -> (grad_x, grad_wigner, grad_kc, grad_cb)``:
 * ``grad_kc`` shaped like ``kc``; ``grad_cb`` (R, C_wide) when ``want_cb`` and rank ≥ 1, else an
   empty (0,) tensor (the gradient is not formed at all; rank 0 does not read ``cb``).
 
-Fused schedule: one program per node walks that node's outgoing edges (its ``src`` segment) in
-steps of ``block_e`` edges. Per step it recomputes the rotated rows in registers from the node's
-features (nothing per edge is saved by the forward), forms the kernel and Wigner gradients of
-those edges, and adds ``Wᵀ·g_local`` into a register accumulator of the node's gradient. This is
-the CSR segment sum of the per-edge node gradients fused into the producer: the (E, D, C_wide)
-per-edge intermediate is never written, and the summation order is the CSR order.
-``block_e > 1`` is the edge-block variant (reductions over channels batched across edges); the
-tile table's win-list selects it per shape.
+Fused schedules (``LaunchTiles.variant``, picked per shape by the tile table):
+
+* ``"node"`` (the fallback): one program per node walks that node's outgoing edges (its ``src``
+  segment) in steps of ``block_e`` edges. Per step it recomputes the rotated rows in registers
+  from the node's features (nothing per edge is saved by the forward), forms the kernel and
+  Wigner gradients of those edges, and adds ``Wᵀ·g_local`` into a register accumulator of the
+  node's gradient: the CSR segment sum fused into the producer, no per-edge intermediate.
+* ``"edge"``: one program per ``block_e`` consecutive edges (coalesced, edge-order reads of
+  ``grad_u``/``wigner``/``kc`` and writes of their gradients) does the same per-edge work and
+  writes ``Wᵀ·g_local`` as a per-edge node gradient (E, D, C_wide), which the CSR
+  ``segment_sum`` over ``(src_order, src_rowptr)`` then reduces. It trades that intermediate's
+  write and read for E / block_e independent programs instead of N long dependent chains.
+
+Both sum the node gradient in CSR order and the basis gradient over per-program partials in a
+fixed order: deterministic, no atomics.
 
 Second order: the op is linear in each of (x, wigner, kc, cb) and so is its output in the
 cotangent, so the backward of the backward is a sum of forward and backward launches, each with
@@ -59,7 +66,7 @@ from so2kernels.rotate_mix import (
     structure_mask,
     wigner_reduced_rows,
 )
-from so2kernels.segment import segment_sum_reference
+from so2kernels.segment import _launch_segment_sum, segment_sum_reference
 from so2kernels.tiles import LaunchTiles, rotate_mix_tiles
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +121,7 @@ def rotate_mix_backward_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernel: one program per node, walking its source segment block_e edges at a time.
+# Triton kernels: the node and edge schedules share the per-edge-block body.
 # grad_kc / grad_wigner / grad_x / grad_u are contiguous, so their inner strides are constants.
 # ---------------------------------------------------------------------------------------------
 
@@ -170,33 +177,69 @@ def _store_kernel_grads_low_rank(
 
 
 @triton.jit
-def _rotation_adjoint(
-    g_local, x_tile, x_mask, w_edge, gw_edge, e_mask, gx_acc,
-    L: tl.constexpr, X_SD: tl.constexpr, W_SR: tl.constexpr, GW_SR: tl.constexpr,
+def _adjoint_column(
+    g_local, xv, w_col, gw_col, e_mask,
+    l: tl.constexpr, L: tl.constexpr, W_SR: tl.constexpr, GW_SR: tl.constexpr,
 ):  # fmt: skip
-    """Store the Wigner gradient of the structural entries and add ``Wᵀ·g_local`` (summed over
-    the edge block) to the node accumulator, one packed row per tuple entry."""
-    updated = ()
-    for l in tl.static_range(L + 1):
-        centre = l * l + l
-        for j in tl.static_range(2 * l + 1):
-            xv = tl.load(x_tile + (l * l + j) * X_SD, mask=x_mask, other=0.0)
-            w_col = w_edge + (l * l + j)
-            gw_col = gw_edge + (l * l + j)
-            w0 = tl.load(w_col + centre * W_SR, mask=e_mask, other=0.0)
-            contrib = w0[:, None] * g_local[l]
-            tl.store(gw_col + centre * GW_SR, tl.sum(g_local[l] * xv, axis=1), mask=e_mask)
-            if l > 0:
-                g_neg = g_local[L + l]
-                g_pos = g_local[2 * L + l]
-                w_neg = tl.load(w_col + (centre - 1) * W_SR, mask=e_mask, other=0.0)
-                w_pos = tl.load(w_col + (centre + 1) * W_SR, mask=e_mask, other=0.0)
-                contrib += w_neg[:, None] * g_neg + w_pos[:, None] * g_pos
-                tl.store(gw_col + (centre - 1) * GW_SR, tl.sum(g_neg * xv, axis=1), mask=e_mask)
-                tl.store(gw_col + (centre + 1) * GW_SR, tl.sum(g_pos * xv, axis=1), mask=e_mask)
-            # Indexed by the literal expression: Triton does not fold a named index here.
-            updated = updated + (gx_acc[l * l + j] + tl.sum(contrib, axis=0),)
-    return updated
+    """One packed column j of degree block l (``w_col``/``gw_col`` point at column j of each
+    edge's block, ``xv`` is x[s, j, :]): store the Wigner gradients of the column's structural
+    entries (rows m' = -1, 0, +1) and return the per-edge node gradient
+    ``Σ_r wigner[e, p(r), j] · g_local[r]`` of that column, (BLOCK_E, BC)."""
+    centre = l * l + l
+    w0 = tl.load(w_col + centre * W_SR, mask=e_mask, other=0.0)
+    contrib = w0[:, None] * g_local[l]
+    tl.store(gw_col + centre * GW_SR, tl.sum(g_local[l] * xv, axis=1), mask=e_mask)
+    if l > 0:
+        g_neg = g_local[L + l]
+        g_pos = g_local[2 * L + l]
+        w_neg = tl.load(w_col + (centre - 1) * W_SR, mask=e_mask, other=0.0)
+        w_pos = tl.load(w_col + (centre + 1) * W_SR, mask=e_mask, other=0.0)
+        contrib += w_neg[:, None] * g_neg + w_pos[:, None] * g_pos
+        tl.store(gw_col + (centre - 1) * GW_SR, tl.sum(g_neg * xv, axis=1), mask=e_mask)
+        tl.store(gw_col + (centre + 1) * GW_SR, tl.sum(g_pos * xv, axis=1), mask=e_mask)
+    return contrib
+
+
+@triton.jit
+def _local_gradient(
+    x_tile, x_mask, w_edge, kc_edge, gkc_edge, gu_tile, e_mask, tile_mask, chan, basis, cb_acc,
+    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, BC: tl.constexpr, RANK: tl.constexpr,
+    WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr, W_SR: tl.constexpr,
+):  # fmt: skip
+    """Shared per-edge-block body of both schedules: recompute the rotated rows, store the kernel
+    gradients (and add the basis gradient to ``cb_acc``), and return ``(g_local, cb_acc)`` with
+    ``g_local`` the 3L+1 reduced-row gradients before the rotation, each (BLOCK_E, BC)."""
+    xr = _rotate_to_local(x_tile, x_mask, w_edge, e_mask, L, BLOCK_E, BC, CW, W_SR)
+    gy = ()
+    for r in tl.static_range(3 * L + 1):
+        gy = gy + (tl.load(gu_tile + r * CF, mask=tile_mask, other=0.0),)
+    if RANK == 0:
+        _store_kernel_grads_by_degree(gy, xr, gkc_edge, chan, tile_mask, L, CW)
+        # The per-degree multiply is diagonal, hence its own adjoint.
+        g_local = _mix_by_degree(gy, kc_edge, chan, tile_mask, L, CW)
+    else:
+        cb_acc = _store_kernel_grads_low_rank(gy, xr, gkc_edge, kc_edge, e_mask, basis, cb_acc,
+                                              L, RANK, WANT_CB)  # fmt: skip
+        g_local = _mix_low_rank(gy, kc_edge, e_mask, basis, L, RANK, BLOCK_E, BC, True)
+    return g_local, cb_acc
+
+
+@triton.jit
+def _zero_rows(COUNT: tl.constexpr, BC: tl.constexpr):
+    """A tuple of COUNT (BC,) fp32 zero accumulators."""
+    rows = ()
+    for _ in tl.static_range(COUNT):
+        rows = rows + (tl.zeros((BC,), dtype=tl.float32),)
+    return rows
+
+
+@triton.jit
+def _store_basis_partial(gcb_ptr, program, cb_acc, chan, c_mask, RANK: tl.constexpr,
+                         CW: tl.constexpr):  # fmt: skip
+    """This program's basis-gradient partial into row ``program`` of (P, R, CW)."""
+    gcb_row = gcb_ptr + program * (RANK * CW) + chan
+    for r in tl.static_range(RANK):
+        tl.store(gcb_row + r * CW, cb_acc[r], mask=c_mask)
 
 
 @triton.jit
@@ -208,6 +251,7 @@ def _rotate_mix_bwd_kernel(
     RANK: tl.constexpr, WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr,
     W_SR: tl.constexpr, GW_SR: tl.constexpr,
 ):  # fmt: skip
+    """Node variant: one program per node, its source segment BLOCK_E edges per step."""
     DIM: tl.constexpr = (L + 1) * (L + 1)
     ROW: tl.constexpr = (3 * L + 1) * CF
     node = tl.program_id(0).to(tl.int64)
@@ -221,12 +265,8 @@ def _rotate_mix_bwd_kernel(
     gu_chan = ((chan // CF).to(tl.int64) * n_edge * ROW + chan % CF)[None, :]
     kc_stride: tl.constexpr = _kernel_edge_stride(L, CW, RANK)
     basis = _load_basis(cb_ptr, chan, c_mask, RANK, CW)
-    gx_acc = ()
-    for _ in tl.static_range(DIM):
-        gx_acc = gx_acc + (tl.zeros((BC,), dtype=tl.float32),)
-    cb_acc = ()
-    for _ in tl.static_range(RANK if WANT_CB else 0):
-        cb_acc = cb_acc + (tl.zeros((BC,), dtype=tl.float32),)
+    gx_acc = _zero_rows(DIM, BC)
+    cb_acc = _zero_rows(RANK if WANT_CB else 0, BC)
 
     for k0 in range(first, stop, BLOCK_E):
         pos = k0 + tl.arange(0, BLOCK_E)
@@ -234,32 +274,72 @@ def _rotate_mix_bwd_kernel(
         edges = tl.load(order_ptr + pos, mask=e_mask, other=0)
         tile_mask = e_mask[:, None] & c_mask[None, :]
         w_edge = w_ptr + edges * w_se
-        kc_edge = kc_ptr + edges * kc_stride
-        gkc_edge = gkc_ptr + edges * kc_stride
-        xr = _rotate_to_local(x_tile, x_mask, w_edge, e_mask, L, BLOCK_E, BC, CW, W_SR)
-        gu_tile = gu_ptr + gu_chan + (edges * ROW)[:, None]
-        gy = ()
-        for r in tl.static_range(3 * L + 1):
-            gy = gy + (tl.load(gu_tile + r * CF, mask=tile_mask, other=0.0),)
-        if RANK == 0:
-            _store_kernel_grads_by_degree(gy, xr, gkc_edge, chan, tile_mask, L, CW)
-            # The per-degree multiply is diagonal, hence its own adjoint.
-            g_local = _mix_by_degree(gy, kc_edge, chan, tile_mask, L, CW)
-        else:
-            cb_acc = _store_kernel_grads_low_rank(gy, xr, gkc_edge, kc_edge, e_mask, basis,
-                                                  cb_acc, L, RANK, WANT_CB)  # fmt: skip
-            g_local = _mix_low_rank(gy, kc_edge, e_mask, basis, L, RANK, BLOCK_E, BC, True)
+        g_local, cb_acc = _local_gradient(
+            x_tile, x_mask, w_edge, kc_ptr + edges * kc_stride, gkc_ptr + edges * kc_stride,
+            gu_ptr + gu_chan + (edges * ROW)[:, None], e_mask, tile_mask, chan, basis, cb_acc,
+            L, CF, CW, BC, RANK, WANT_CB, BLOCK_E, W_SR,
+        )  # fmt: skip
         gw_edge = gw_ptr + edges * (GW_SR * GW_SR)
-        gx_acc = _rotation_adjoint(g_local, x_tile, x_mask, w_edge, gw_edge, e_mask, gx_acc,
-                                   L, CW, W_SR, GW_SR)  # fmt: skip
+        updated = ()
+        for l in tl.static_range(L + 1):
+            for j in tl.static_range(2 * l + 1):
+                xv = tl.load(x_tile + (l * l + j) * CW, mask=x_mask, other=0.0)
+                contrib = _adjoint_column(
+                    g_local, xv, w_edge + (l * l + j), gw_edge + (l * l + j), e_mask,
+                    l, L, W_SR, GW_SR,
+                )  # fmt: skip
+                # Indexed by the literal expression: Triton does not fold a named index here.
+                updated = updated + (gx_acc[l * l + j] + tl.sum(contrib, axis=0),)
+        gx_acc = updated
 
     gx_node = gx_ptr + node * (DIM * CW) + chan
     for d in tl.static_range(DIM):
         tl.store(gx_node + d * CW, gx_acc[d], mask=c_mask)
     if WANT_CB:
-        gcb_node = gcb_ptr + node * (RANK * CW) + chan
-        for r in tl.static_range(RANK):
-            tl.store(gcb_node + r * CW, cb_acc[r], mask=c_mask)
+        _store_basis_partial(gcb_ptr, node, cb_acc, chan, c_mask, RANK, CW)
+
+
+@triton.jit
+def _rotate_mix_bwd_edge_kernel(
+    gu_ptr, x_ptr, src_ptr, w_ptr, kc_ptr, cb_ptr,
+    gxe_ptr, gw_ptr, gkc_ptr, gcb_ptr,
+    n_edge, x_sn, w_se,
+    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, BC: tl.constexpr,
+    RANK: tl.constexpr, WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr,
+    W_SR: tl.constexpr, GW_SR: tl.constexpr,
+):  # fmt: skip
+    """Edge variant: one program per BLOCK_E consecutive edges; the node gradient is written per
+    edge into ``gxe`` (E, D, CW) for the CSR segment sum."""
+    DIM: tl.constexpr = (L + 1) * (L + 1)
+    ROW: tl.constexpr = (3 * L + 1) * CF
+    program = tl.program_id(0).to(tl.int64)
+    edges = program * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = edges < n_edge
+    chan = tl.arange(0, BC)
+    c_mask = chan < CW
+    tile_mask = e_mask[:, None] & c_mask[None, :]
+    src = tl.load(src_ptr + edges, mask=e_mask, other=0).to(tl.int64)
+    x_tile = x_ptr + (src * x_sn)[:, None] + chan[None, :]
+    gu_chan = ((chan // CF).to(tl.int64) * n_edge * ROW + chan % CF)[None, :]
+    kc_stride: tl.constexpr = _kernel_edge_stride(L, CW, RANK)
+    basis = _load_basis(cb_ptr, chan, c_mask, RANK, CW)
+    cb_acc = _zero_rows(RANK if WANT_CB else 0, BC)
+    w_edge = w_ptr + edges * w_se
+    g_local, cb_acc = _local_gradient(
+        x_tile, tile_mask, w_edge, kc_ptr + edges * kc_stride, gkc_ptr + edges * kc_stride,
+        gu_ptr + gu_chan + (edges * ROW)[:, None], e_mask, tile_mask, chan, basis, cb_acc,
+        L, CF, CW, BC, RANK, WANT_CB, BLOCK_E, W_SR,
+    )  # fmt: skip
+    gw_edge = gw_ptr + edges * (GW_SR * GW_SR)
+    gxe_tile = gxe_ptr + (edges * (DIM * CW))[:, None] + chan[None, :]
+    for l in tl.static_range(L + 1):
+        for j in tl.static_range(2 * l + 1):
+            xv = tl.load(x_tile + (l * l + j) * CW, mask=tile_mask, other=0.0)
+            contrib = _adjoint_column(g_local, xv, w_edge + (l * l + j), gw_edge + (l * l + j),
+                                      e_mask, l, L, W_SR, GW_SR)  # fmt: skip
+            tl.store(gxe_tile + (l * l + j) * CW, contrib, mask=tile_mask)
+    if WANT_CB:
+        _store_basis_partial(gcb_ptr, program, cb_acc, chan, c_mask, RANK, CW)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +350,7 @@ def _rotate_mix_bwd_kernel(
 def launch_rotate_mix_bwd(
     grad_u: Tensor,
     x: Tensor,
+    src: Tensor,
     src_order: Tensor,
     src_rowptr: Tensor,
     wigner: Tensor,
@@ -281,27 +362,46 @@ def launch_rotate_mix_bwd(
     want_cb: bool,
     tiles: LaunchTiles,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Run the node-centric backward kernel with explicit tiles."""
+    """Run the backward schedule ``tiles.variant`` ("node" or "edge") with explicit tiles."""
     n_node, dim, c_wide = x.shape
+    n_edge = src.shape[0]
     want_cb = want_cb and rank > 0
-    grad_x = torch.empty((n_node, dim, c_wide), device=x.device, dtype=x.dtype)
-    # Zero-filled: only the structural entries are written by the kernel.
+    n_programs = n_node if tiles.variant == "node" else triton.cdiv(n_edge, tiles.block_e)
+    # Zero-filled: only the structural entries are written by the kernels.
     grad_wigner = torch.zeros(wigner.shape, device=wigner.device, dtype=wigner.dtype)
     grad_kc = torch.empty(kc.shape, device=kc.device, dtype=kc.dtype)
     partial_cb = torch.empty(
-        (n_node, rank, c_wide) if want_cb else (0,), device=x.device, dtype=torch.float32
+        (n_programs, rank, c_wide) if want_cb else (0,), device=x.device, dtype=torch.float32
     )
-    if n_node > 0:
+    # The node variant writes grad_x itself; the edge variant writes one row per edge.
+    n_rows = n_node if tiles.variant == "node" else n_edge
+    node_rows = torch.empty((n_rows, dim, c_wide), device=x.device, dtype=x.dtype)
+    if n_programs > 0:
         x, wigner, kc, cb = kernel_operands(x, wigner, kc, cb)
-        wrap_triton(_rotate_mix_bwd_kernel)[(n_node,)](
-            grad_u.contiguous(), x, wigner, kc, cb, src_order, src_rowptr,
-            grad_x, grad_wigner, grad_kc, partial_cb,
-            src_order.shape[0], x.stride(0), wigner.stride(0),
-            L=lmax, CF=c_wide // n_focus, CW=c_wide, BC=triton.next_power_of_2(c_wide),
-            RANK=rank, WANT_CB=want_cb, BLOCK_E=tiles.block_e,
-            W_SR=wigner.stride(1), GW_SR=grad_wigner.shape[2], num_warps=tiles.num_warps,
-        )  # fmt: skip
-    # Per-node partials summed in a fixed order: deterministic, no atomics.
+        consts: dict[str, Any] = {
+            "L": lmax, "CF": c_wide // n_focus, "CW": c_wide, "BC": triton.next_power_of_2(c_wide),
+            "RANK": rank, "WANT_CB": want_cb, "BLOCK_E": tiles.block_e,
+            "W_SR": wigner.stride(1), "GW_SR": grad_wigner.shape[2], "num_warps": tiles.num_warps,
+        }  # fmt: skip
+        if tiles.variant == "node":
+            wrap_triton(_rotate_mix_bwd_kernel)[(n_programs,)](
+                grad_u.contiguous(), x, wigner, kc, cb, src_order, src_rowptr,
+                node_rows, grad_wigner, grad_kc, partial_cb,
+                n_edge, x.stride(0), wigner.stride(0), **consts,
+            )  # fmt: skip
+        else:
+            wrap_triton(_rotate_mix_bwd_edge_kernel)[(n_programs,)](
+                grad_u.contiguous(), x, src, wigner, kc, cb,
+                node_rows, grad_wigner, grad_kc, partial_cb,
+                n_edge, x.stride(0), wigner.stride(0), **consts,
+            )  # fmt: skip
+    # The edge variant's reduction runs in CSR order, one program per node: deterministic.
+    grad_x = (
+        node_rows
+        if tiles.variant == "node"
+        else _launch_segment_sum(node_rows, src_order, src_rowptr)
+    )
+    # Per-program partials summed in a fixed order: deterministic, no atomics.
     grad_cb = partial_cb.sum(0) if want_cb else cb.new_zeros((0,))
     return grad_x, grad_wigner, grad_kc, grad_cb
 
@@ -345,7 +445,7 @@ def _rotate_mix_bwd_op(
     require_fp32("so2_rotate_mix_bwd", grad_u=grad_u)
     tiles = rotate_mix_tiles("bwd", x.shape[2], lmax, rank, x.device)
     return launch_rotate_mix_bwd(
-        grad_u, x, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb, tiles
+        grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb, tiles
     )
 
 

@@ -28,9 +28,7 @@ from torch.library import triton_op, wrap_triton
 
 from so2kernels._dispatch import require_fp32, use_triton
 
-# ---------------------------------------------------------------------------------------------
 # Input checks
-# ---------------------------------------------------------------------------------------------
 
 
 def _check_csr(op: str, order: Tensor, row_ptr: Tensor, n_rows: int) -> None:
@@ -84,9 +82,7 @@ def csr_from_index(index: Tensor, n_segments: int) -> tuple[Tensor, Tensor]:
     return order, row_ptr
 
 
-# ---------------------------------------------------------------------------------------------
 # Eager references (any dtype, differentiable by autograd)
-# ---------------------------------------------------------------------------------------------
 
 
 def _segment_of_sorted(order: Tensor, row_ptr: Tensor) -> Tensor:
@@ -120,10 +116,8 @@ def _check_segment_count(op: str, values: Tensor, row_ptr: Tensor) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------
 # Triton kernels. Grid (N, cdiv(P, BLOCK_P)); each program owns one segment's column chunk and
 # walks the segment BLOCK_K positions at a time. Offsets are int64 (E·P may exceed 2^31).
-# ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -185,9 +179,7 @@ def _segment_broadcast_kernel(
         )
 
 
-# ---------------------------------------------------------------------------------------------
 # Launchers
-# ---------------------------------------------------------------------------------------------
 
 _BLOCK_K = 4
 """Segment positions per loop step: short enough for the ~10¹–10² edges per atom of a
@@ -237,9 +229,7 @@ def _launch_segment_broadcast(values: Tensor, order: Tensor, row_ptr: Tensor) ->
     return out
 
 
-# ---------------------------------------------------------------------------------------------
 # Op registration
-# ---------------------------------------------------------------------------------------------
 
 
 @triton_op("so2kernels::segment_sum", mutates_args=())
@@ -296,9 +286,7 @@ _segment_sum_op.register_autograd(_segment_sum_backward, setup_context=_save_csr
 _segment_broadcast_op.register_autograd(_segment_broadcast_backward, setup_context=_save_csr)
 
 
-# ---------------------------------------------------------------------------------------------
 # Typed Python entry points
-# ---------------------------------------------------------------------------------------------
 
 
 def segment_sum(rows: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:

@@ -5,14 +5,21 @@ are written by ``benchmarks/sweep_tiles.py``. Layout::
 
     {"device": "NVIDIA H200", "torch": "...", "triton": "...", "date": "...", "command": "...",
      "rotate_mix_fwd": {"cw128_l2_r1": {"block_e": 2, "num_warps": 4}, ...},
-     "rotate_mix_bwd": {"cw128_l2_r1": {"block_e": 4, "num_warps": 4}, ...}}
+     "rotate_mix_bwd": {"cw128_l2_r1": {"variant": "edge", "block_e": 4, "num_warps": 4}, ...}}
 
-``block_e`` is the number of edges one program handles at a time: in the forward, edges per
-program; in the node-centric backward, the edge-block step through one node's segment. Every
-candidate is validated against the float64 reference before it is timed. A backward entry is
-written only when a measured configuration beat the fallback (per-edge, warps by working set);
-the entries with ``block_e > 1`` are the edge-block variant's win-list. A missing key means the
-fallback. Extra fields (``ms``, ``fallback_ms``) record the measurement.
+``variant`` picks the backward's schedule (the forward has one, edge-parallel, and ignores it):
+
+* ``"node"``: one program per node walks the node's source segment ``block_e`` edges at a time
+  and reduces the node gradient in registers (no per-edge intermediate);
+* ``"edge"``: one program per ``block_e`` consecutive edges writes a per-edge node gradient that
+  a CSR ``segment_sum`` then reduces (more traffic, far more parallelism, coalesced edge reads).
+
+``block_e`` is the number of edges one program handles at a time: in the forward and the edge
+variant, edges per program; in the node variant, the edge-block step through one node's segment.
+Every candidate is validated against the float64 reference before it is timed. A backward entry
+is written only when a measured configuration beat the fallback (node variant, per-edge steps,
+warps by working set). A missing key means the fallback; an entry without ``variant`` is a node
+entry. Extra fields (``ms``, ``fallback_ms``) record the measurement.
 """
 
 from __future__ import annotations
@@ -30,22 +37,27 @@ import triton
 from so2kernels._layout import n_coeff
 
 Direction = Literal["fwd", "bwd"]
+Variant = Literal["node", "edge"]
+VARIANTS: tuple[Variant, ...] = ("node", "edge")
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
 
 
 @dataclass(frozen=True)
 class LaunchTiles:
-    """One launch configuration: edges per program step and warps per program."""
+    """One launch configuration: edges per program step, warps per program, backward schedule."""
 
     block_e: int
     num_warps: int
+    variant: Variant = "node"
 
     def __post_init__(self) -> None:
         if self.block_e < 1 or self.block_e & (self.block_e - 1):
             raise ValueError(f"block_e must be a power of two >= 1, got {self.block_e}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
 
 
 INTERPRETER_TILES = LaunchTiles(block_e=8, num_warps=4)
@@ -73,8 +85,9 @@ def load_table(slug: str) -> dict[str, Any]:
 
 
 def fallback_tiles(direction: Direction, c_wide: int, lmax: int) -> LaunchTiles:
-    """Per-edge steps; the backward's warps grow with its per-program working set (lanes × packed
-    rows), which kept ptxas (sm_90) under 255 registers without spills up to lmax 3."""
+    """Per-edge steps of the node variant; the backward's warps grow with its per-program
+    working set (lanes × packed rows), which kept ptxas (sm_90) under 255 registers without
+    spills up to lmax 3."""
     lanes = triton.next_power_of_2(c_wide)
     if direction == "fwd":
         return LaunchTiles(block_e=1, num_warps=4 if lanes <= 256 else 8)
@@ -93,4 +106,8 @@ def rotate_mix_tiles(
     entry = load_table(slug).get(f"rotate_mix_{direction}", {}).get(table_key(c_wide, lmax, rank))
     if entry is None:
         return fallback_tiles(direction, c_wide, lmax)
-    return LaunchTiles(block_e=int(entry["block_e"]), num_warps=int(entry["num_warps"]))
+    return LaunchTiles(
+        block_e=int(entry["block_e"]),
+        num_warps=int(entry["num_warps"]),
+        variant=entry.get("variant", "node"),
+    )

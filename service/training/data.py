@@ -133,9 +133,7 @@ class FrameDataset(Sequence[Frame]):
         return self.subset(train), self.subset(valid)
 
 
-# ---------------------------------------------------------------------------------------------
 # DeePMD npy systems
-# ---------------------------------------------------------------------------------------------
 
 
 def is_deepmd_system(path: Path) -> bool:
@@ -255,9 +253,7 @@ def _optional_npy(path: Path, n_frames: int, width: int) -> np.ndarray | None:
     return _load_npy(path, n_frames, width) if path.is_file() else None
 
 
-# ---------------------------------------------------------------------------------------------
 # ASE-readable files
-# ---------------------------------------------------------------------------------------------
 
 
 def load_ase_file(path: Path | str, *, index: str = ":") -> list[Frame]:
@@ -345,9 +341,7 @@ def _finite_array(value: object, shape: tuple[int, ...], file: Path, what: str) 
     return array
 
 
-# ---------------------------------------------------------------------------------------------
 # Mixed datasets
-# ---------------------------------------------------------------------------------------------
 
 
 def load_dataset(
@@ -405,9 +399,7 @@ def _structure_arrays(frame: Frame) -> StructureArrays:
     )
 
 
-# ---------------------------------------------------------------------------------------------
 # Batching
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -195,10 +195,8 @@ def test_compile_aot_eager() -> None:
         torch.testing.assert_close(g, w)
 
 
-# ---------------------------------------------------------------------------------------------
 # Compilation for the H200 (sm_90) without a GPU: catches frontend/lowering errors that the
 # interpreter cannot see.
-# ---------------------------------------------------------------------------------------------
 
 
 def compile_all_for_sm90() -> int:
@@ -265,9 +263,7 @@ def test_kernels_compile_for_sm90() -> None:
     assert int(result.stdout.split()[-1]) == 10
 
 
-# ---------------------------------------------------------------------------------------------
 # GPU (the lead runs these on the H200)
-# ---------------------------------------------------------------------------------------------
 
 
 def _node_sample(ops: Operands, nodes: torch.Tensor) -> tuple[Operands, torch.Tensor]:

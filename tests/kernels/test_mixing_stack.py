@@ -237,11 +237,9 @@ def test_backward_op_weight_grads_match_autograd() -> None:
         assert_normwise_close(g, w, 2e-6)
 
 
-# ---------------------------------------------------------------------------------------------
 # Compiled mode without a GPU: the interpreter accepts code that the compiler rejects (e.g. a
 # variable changing shape inside a runtime branch), so compile every kernel for sm_90 ahead of
 # time. Triton ships ptxas, so this runs on the CPU-only CI.
-# ---------------------------------------------------------------------------------------------
 
 _COMMON_SIG = {"n_edge": "i32", "layer": "i32"}
 _WEIGHTS = {"w", "w_lo", "wt", "wt_lo", "gw", "gw_lo", "gwt", "gwt_lo"}
@@ -317,9 +315,7 @@ def test_kernels_compile_for_sm90(fast: bool) -> None:
     assert int(result.stdout.split()[-1]) == 12
 
 
-# ---------------------------------------------------------------------------------------------
 # GPU (the lead runs these on the H200)
-# ---------------------------------------------------------------------------------------------
 
 
 def _edge_sample(ops: Operands, edges: torch.Tensor) -> Operands:

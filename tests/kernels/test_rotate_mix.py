@@ -3,8 +3,12 @@ and second order — over the regimes, plus golden slot orientation, opcheck and
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -165,16 +169,16 @@ def test_forward_and_gradients_match_reference(case: Case) -> None:
     grads_ref = torch.autograd.grad(u_ref, ref.floats()[:n_leaves], grad_u.to(DEVICE))
     for got, want in zip(grads, grads_ref, strict=True):
         assert_close_normwise(got, want, rel=5e-6)
-    # Entries of the Wigner operand the op does not read have exactly zero gradient.
-    structural = torch.zeros_like(ops.wigner, dtype=torch.bool)
-    rows = torch.tensor(reduced_to_packed(case.lmax))
-    for r, degree in zip(rows.tolist(), _degrees(case.lmax), strict=True):
+    assert_structural_wigner_grad(grads[1], case.lmax)
+
+
+def assert_structural_wigner_grad(grad_wigner: torch.Tensor, lmax: int) -> None:
+    """Entries of the Wigner operand the op does not read have exactly zero gradient."""
+    structural = torch.zeros_like(grad_wigner, dtype=torch.bool)
+    degrees = list(range(lmax + 1)) + list(range(1, lmax + 1)) * 2
+    for r, degree in zip(reduced_to_packed(lmax), degrees, strict=True):
         structural[:, r, degree * degree : (degree + 1) ** 2] = True
-    assert torch.all(grads[1][~structural] == 0)
-
-
-def _degrees(lmax: int) -> list[int]:
-    return list(range(lmax + 1)) + list(range(1, lmax + 1)) * 2
+    assert torch.all(grad_wigner[~structural] == 0)
 
 
 @fused_only
@@ -199,8 +203,8 @@ def test_launch_tiles_per_edge_and_edge_block(tiles: LaunchTiles, rank: int) -> 
     u = launch_rotate_mix_fwd(ops.x, ops.src, ops.wigner, ops.kc, ops.cb, 2, 2, rank, tiles)
     assert_close_normwise(u, rotate_mix_reference(*ref.args()))
     grad_u = torch.randn(u.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    got = launch_rotate_mix_bwd(grad_u, ops.x, ops.src_order, ops.src_rowptr, ops.wigner, ops.kc,
-                                ops.cb, 2, 2, rank, True, tiles)  # fmt: skip
+    got = launch_rotate_mix_bwd(grad_u, ops.x, ops.src, ops.src_order, ops.src_rowptr, ops.wigner,
+                                ops.kc, ops.cb, 2, 2, rank, True, tiles)  # fmt: skip
     want = rotate_mix_backward_reference(grad_u.double(), *ref.args())
     for g, w in zip(got, want, strict=True):
         assert_close_normwise(g, w, rel=5e-6)
@@ -350,6 +354,144 @@ def test_fused_path_refuses_other_dtypes_and_regimes() -> None:
         rotate_mix(*ops.cast(torch.float64).args())
     with pytest.raises(ValueError, match="focus_dim"):
         rotate_mix(*make_operands(Case(2, 2, 16, 1)).args())
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge-parallel backward variant (selected through the tile table's "variant")
+# ---------------------------------------------------------------------------------------------
+
+EDGE_TILES = LaunchTiles(block_e=4, num_warps=4, variant="edge")
+
+EDGE_CASES = [
+    Case(1, 2, 32, 1, extra_dw=5),
+    Case(2, 1, 96, 0, strided_x=True),  # Cf 96: 128 lanes, 32 masked; rank 0
+    Case(2, 3, 32, 2, n_edge=14),  # E not a multiple of block_e
+    Case(3, 1, 64, 1, extra_dw=7),
+    Case(2, 2, 32, 2, n_edge=3, n_node=8),  # mostly nodes with no edges
+    Case(2, 1, 32, 1, n_edge=0, n_node=3),  # zero edges: grad_x is exactly zero
+]
+
+
+@fused_only
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("case", EDGE_CASES, ids=str)
+def test_edge_variant_gradients_match_reference(case: Case) -> None:
+    ops = make_operands(case)
+    ref = ops.cast(torch.float64)
+    u_shape = (case.n_focus, case.n_edge, (3 * case.lmax + 1) * case.focus_dim)
+    grad_u = torch.randn(u_shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = launch_rotate_mix_bwd(grad_u, ops.x, ops.src, ops.src_order, ops.src_rowptr, ops.wigner,
+                                ops.kc, ops.cb, case.lmax, case.n_focus, case.rank, True,
+                                EDGE_TILES)  # fmt: skip
+    if case.n_edge == 0:
+        # Everything per edge is empty; node and basis gradients are exact zeros.
+        zero_x, zero_cb = torch.zeros_like(ops.x), torch.zeros_like(ops.cb)
+        assert torch.equal(got[0], zero_x) and torch.equal(got[3], zero_cb)
+        assert got[1].shape == ops.wigner.shape and got[2].shape == ops.kc.shape
+        return
+    want = rotate_mix_backward_reference(grad_u.double(), *ref.args())
+    for g, w in zip(got, want, strict=True):
+        assert_close_normwise(g, w, rel=5e-6)
+    assert_structural_wigner_grad(got[1], case.lmax)
+
+
+@pytest.fixture
+def edge_variant_selected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op's backward takes the edge variant, as a table entry with variant "edge" makes it."""
+    from so2kernels import rotate_mix_backward
+
+    def edge_tiles(direction: str, *args: Any) -> LaunchTiles:
+        assert direction == "bwd"
+        return EDGE_TILES
+
+    monkeypatch.setattr(rotate_mix_backward, "rotate_mix_tiles", edge_tiles)
+
+
+@fused_only
+@pytest.mark.usefixtures("edge_variant_selected")
+@pytest.mark.parametrize(
+    "case", [Case(1, 2, 32, 1, n_node=4, n_edge=9), Case(2, 1, 32, 0, n_node=4, n_edge=9)], ids=str
+)
+def test_edge_variant_second_order_and_determinism(case: Case) -> None:
+    ops = make_operands(case, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    u_shape = (case.n_focus, case.n_edge, (3 * case.lmax + 1) * case.focus_dim)
+    shapes = [u_shape] + [tuple(t.shape) for t in ops.floats()]
+    weights64 = [torch.rand(s, generator=gen, dtype=torch.float64).to(DEVICE) for s in shapes]
+    fused = _second_order(ops, [w.float() for w in weights64])
+    reference = _second_order(ops.cast(torch.float64), weights64)
+    for got, want in zip(fused, reference, strict=True):
+        assert_close_normwise(got, want, rel=2e-5)
+    grad_u = torch.randn(u_shape).to(DEVICE)
+    first = rotate_mix_backward(grad_u, *ops.args())
+    second = rotate_mix_backward(grad_u, *ops.args())
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tile_table_selects_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    from so2kernels import tiles
+
+    table = {
+        "rotate_mix_bwd": {
+            "cw128_l2_r1": {"variant": "edge", "block_e": 2, "num_warps": 8, "ms": 1.0},
+            "cw128_l3_r1": {"block_e": 4, "num_warps": 8},  # written before variants existed
+        }
+    }
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    monkeypatch.setattr(tiles, "load_table", lambda slug: table)
+    cuda = torch.device("cuda")
+    assert tiles.rotate_mix_tiles("bwd", 128, 2, 1, cuda) == LaunchTiles(2, 8, "edge")
+    assert tiles.rotate_mix_tiles("bwd", 128, 3, 1, cuda) == LaunchTiles(4, 8, "node")
+    assert tiles.rotate_mix_tiles("bwd", 256, 2, 1, cuda) == tiles.fallback_tiles("bwd", 256, 2)
+    assert tiles.fallback_tiles("bwd", 128, 2).variant == "node"
+    with pytest.raises(ValueError, match="variant"):
+        LaunchTiles(1, 4, "warp")  # type: ignore[arg-type]
+
+
+def compile_backward_kernels_for_sm90() -> int:
+    """Compile both backward variants for sm_90 at the bar shape (C_wide 128, lmax 2, rank 1)
+    without a GPU: catches lowering errors the interpreter cannot see. Returns the count."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from so2kernels import rotate_mix_backward as bwd
+
+    index_operands = {"src_ptr", "order_ptr", "rowptr_ptr"}
+    node_pointers = ["gu", "x", "w", "kc", "cb", "order", "rowptr", "gx", "gw", "gkc", "gcb"]
+    edge_pointers = ["gu", "x", "src", "w", "kc", "cb", "gxe", "gw", "gkc", "gcb"]
+    consts = {"L": 2, "CF": 128, "CW": 128, "BC": 128, "RANK": 1, "WANT_CB": True, "W_SR": 9,
+              "GW_SR": 9}  # fmt: skip
+    variants = [(bwd._rotate_mix_bwd_kernel, node_pointers, 1),
+                (bwd._rotate_mix_bwd_edge_kernel, edge_pointers, 4)]  # fmt: skip
+    for fn, pointers, block_e in variants:
+        names = [f"{p}_ptr" for p in pointers]
+        signature = {n: "*i64" if n in index_operands else "*fp32" for n in names}
+        signature.update(dict.fromkeys(["n_edge", "x_sn", "w_se"], "i64"))
+        constexprs = {**consts, "BLOCK_E": block_e}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+        )
+        assert compiled.asm["cubin"]
+    return len(variants)
+
+
+@pytest.mark.slow
+def test_backward_kernels_compile_for_sm90() -> None:
+    here = Path(__file__).resolve()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = (
+        f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here.parents[2])!r}]; "
+        "import test_rotate_mix as t; print(t.compile_backward_kernels_for_sm90())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert int(result.stdout.split()[-1]) == 2
 
 
 # ---------------------------------------------------------------------------------------------
