@@ -180,7 +180,7 @@ def mixing_blocks(kc: Tensor, lmax: int, rank: int) -> Tensor:
 def fold_mixing_blocks(blocks: Tensor, lmax: int) -> Tensor:
     """Adjoint of :func:`mixing_blocks`: (E, 3L+1, 3L+1, R) -> (E, K·R), the two |m|=1 copies
     summed into their shared slots."""
-    n_edge, n_m0 = blocks.shape[0], lmax + 1
+    n_m0 = lmax + 1
     block_m0 = blocks[:, :n_m0, :n_m0]
     block_m1 = (
         blocks[:, n_m0 : n_m0 + lmax, n_m0 : n_m0 + lmax] + blocks[:, n_m0 + lmax :, n_m0 + lmax :]

@@ -8,6 +8,7 @@ GIE lifts ``R`` to l ≥ 1 through the zonal Wigner rows.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,7 +17,7 @@ from torch.nn import functional as F
 
 from service.model.config import ModelConfig
 from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
-from service.model.layers.linear import MLP, Dense
+from service.model.layers.linear import MLP, Dense, degree_of_packed_rows
 
 
 class RadialBasis(nn.Module):
@@ -84,16 +85,24 @@ def film(type_feat: Tensor, logits: Tensor, scale_log: Tensor, shift_log: Tensor
     return type_feat * scale + torch.exp(shift_log) * torch.tanh(logits[:, c:])
 
 
+@functools.cache
+def _zonal_gather_index(lmax: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """``(zonal_row, column, degree)``, each ``(D-1,)`` int64 over the packed rows l ≥ 1: the
+    Wigner entry ``D[(l,0), (l,m)]`` of row ``(l,m)`` and its degree (constant per device)."""
+    degree = degree_of_packed_rows(lmax)[1:]
+    column = torch.arange(1, (lmax + 1) ** 2)
+    zonal_row = degree * degree + degree
+    return zonal_row.to(device), column.to(device), degree.to(device)
+
+
 def geometric_initial_embedding(cache: EdgeCacheLike, radial: Tensor, n_nodes: int) -> Tensor:
     """GIE: ``x[i,(l,m)] = inv_sqrt_deg_i Σ_{dst=i} D[e,(l,0),(l,m)]·R[e,l]`` for l ≥ 1.
 
     ``radial (E, L+1, C)`` (before the type-feature fuse) → ``(N, (L+1)², C)`` with row 0 zero.
     """
-    lmax = radial.shape[1] - 1
-    rows = []
-    for l in range(1, lmax + 1):
-        zonal = cache.wigner[:, l * l + l, l * l : (l + 1) * (l + 1)]  # (E, 2l+1)
-        rows.append(zonal[:, :, None] * radial[:, l : l + 1, :])
-    message = torch.cat(rows, dim=1)  # (E, D-1, C)
+    zonal_row, column, degree = _zonal_gather_index(radial.shape[1] - 1, radial.device)
+    # One gather per operand for all degrees (no per-degree slices + cat).
+    zonal = cache.wigner[:, zonal_row, column]  # (E, D-1)
+    message = zonal[:, :, None] * radial.index_select(1, degree)  # (E, D-1, C)
     out = sum_into_dst(message, cache.graph.dst, n_nodes) * cache.inv_sqrt_deg[:, None, None]
     return F.pad(out, (0, 0, 1, 0))

@@ -14,8 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from service.model.layers.linear import DegreeLinear
-from service.model.layers.norms import degree_of_packed_rows
+from service.model.layers.linear import DegreeLinear, degree_of_packed_rows
 from service.model.layers.sphere import s2_grid_projectors
 
 
@@ -54,6 +53,7 @@ class S2GridGLUFFN(nn.Module):
 
     to_grid: Tensor
     from_grid: Tensor
+    scalar_row: Tensor
 
     def __init__(self, lmax: int, channels: int, hidden: int):
         super().__init__()
@@ -64,16 +64,19 @@ class S2GridGLUFFN(nn.Module):
         to_grid, from_grid = s2_grid_projectors(lmax)
         self.register_buffer("to_grid", torch.from_numpy(to_grid).float(), persistent=False)
         self.register_buffer("from_grid", torch.from_numpy(from_grid).float(), persistent=False)
+        scalar_row = (degree_of_packed_rows(lmax) == 0).float()[:, None]  # (D, 1)
+        self.register_buffer("scalar_row", scalar_row, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear_in(x)  # (N, D, 2H)
         scalars = h[:, 0]  # (N, 2H)
-        grid = torch.einsum("gd,ndc->ngc", self.to_grid.to(h.dtype), h)
+        grid = self.to_grid.to(h.dtype) @ h  # (N, G, 2H)
         product = grid[..., : self.hidden] * grid[..., self.hidden :]
-        out = torch.einsum("dg,ngc->ndc", self.from_grid.to(h.dtype), product)
-        out = out * torch.sigmoid(scalars @ self.scalar_gate)[:, None, :]
+        out = self.from_grid.to(h.dtype) @ product  # (N, D, H)
+        gate = torch.sigmoid(scalars @ self.scalar_gate)[:, None, :]
         glu0 = F.silu(scalars[:, : self.hidden]) * scalars[:, self.hidden :]
-        out = torch.cat([out[:, :1] + glu0[:, None, :], out[:, 1:]], dim=1)
+        # The scalar GLU joins the l=0 row through the (D, 1) indicator instead of a slice + cat.
+        out = torch.addcmul(glu0[:, None, :] * self.scalar_row.to(h.dtype), out, gate)
         projected: Tensor = self.linear_out(out)
         return projected
 

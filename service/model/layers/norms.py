@@ -11,10 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-
-def degree_of_packed_rows(lmax: int) -> Tensor:
-    """Degree l of each packed row ``l²..l²+2l``: ``(D,)`` int64."""
-    return torch.repeat_interleave(torch.arange(lmax + 1), torch.arange(lmax + 1) * 2 + 1)
+from service.model.layers.linear import degree_of_packed_rows
 
 
 class EquivariantRMSNorm(nn.Module):
@@ -22,6 +19,7 @@ class EquivariantRMSNorm(nn.Module):
 
     row_degree: Tensor
     balance_weight: Tensor
+    scalar_row: Tensor
 
     def __init__(self, lmax: int, channels: int, *, eps: float):
         super().__init__()
@@ -35,25 +33,25 @@ class EquivariantRMSNorm(nn.Module):
         # Each coefficient of degree l weighs 1/((2l+1)(L+1)C): every degree counts equally.
         weight = 1.0 / ((2 * degree + 1).double() * (lmax + 1) * channels)
         self.register_buffer("balance_weight", weight.float(), persistent=False)
+        # (D, 1) indicator of the l=0 row: centring and bias act on it alone, as whole-tensor
+        # ops (no slicing/concatenation, whose backward allocates zero-filled buffers).
+        self.register_buffer("scalar_row", (degree == 0).float()[:, None], persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x (N, D, C) → (N, D, C)``."""
-        x0 = x[:, :1] - x[:, :1].mean(dim=-1, keepdim=True)
-        rest = x[:, 1:]
-        w = self.balance_weight.to(x.dtype)
-        variance = x0.square().sum(dim=(1, 2)) * w[0]
-        if rest.shape[1] > 0:
-            variance = variance + torch.einsum("ndc,d->n", rest * rest, w[1:])
+        row0 = self.scalar_row.to(x.dtype)
+        centred = x - x[:, 0].mean(dim=-1)[:, None, None] * row0
+        variance = centred.square().sum(dim=-1) @ self.balance_weight.to(x.dtype)  # (N,)
         inv_rms = torch.rsqrt(variance + self.eps)[:, None, None]
         scale = self.scale[:, 0, :].index_select(0, self.row_degree)  # (D, C)
-        out0 = x0 * inv_rms * scale[:1] + self.bias
-        if rest.shape[1] == 0:
-            return out0
-        return torch.cat([out0, rest * inv_rms * scale[1:]], dim=1)
+        return torch.addcmul(self.bias * row0, centred * inv_rms, scale)
 
 
 class ScalarRMSNorm(nn.Module):
-    """``x·rsqrt(mean_c x² + eps)·scale[f]`` on ``(N, F, C)``; ``scale (F, C)``."""
+    """``x·rsqrt(mean_c x² + eps)·scale[f]`` on ``(N, F, C)``; ``scale (F, C)``.
+
+    Norms of one input share its RMS: :func:`unit_rms` once, then :meth:`rescale` per norm.
+    """
 
     def __init__(self, channels: int, n_focus: int, *, eps: float):
         super().__init__()
@@ -61,4 +59,13 @@ class ScalarRMSNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(n_focus, channels))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + self.eps) * self.scale
+        return self.rescale(unit_rms(x, self.eps))
+
+    def rescale(self, normalised: Tensor) -> Tensor:
+        """``unit_rms(x, eps) (N, F, C)`` → this norm's output."""
+        return normalised * self.scale
+
+
+def unit_rms(x: Tensor, eps: float) -> Tensor:
+    """``x·rsqrt(mean_c x² + eps)`` on ``(N, F, C)``."""
+    return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)

@@ -49,8 +49,8 @@ from torch.utils.checkpoint import checkpoint
 from service.model.config import ModelConfig
 from service.model.layers.edge_chunks import EdgeChunk, whole_graph
 from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
-from service.model.layers.linear import DegreeLinear, FocusLinear
-from service.model.layers.norms import ScalarRMSNorm, degree_of_packed_rows
+from service.model.layers.linear import DegreeLinear, FocusLinear, degree_of_packed_rows
+from service.model.layers.norms import ScalarRMSNorm, unit_rms
 from so2kernels._layout import n_kernel_slots, n_reduced
 from so2kernels.aggregate import attention_aggregate
 from so2kernels.rotate_mix import wigner_reduced_rows
@@ -149,8 +149,11 @@ class Attention(nn.Module):
 
     def node_terms(self, x_l0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x_l0 (N, F, Cf)`` → queries, keys ``(N, F, Cf)`` and output gate ``(N, F·H)``."""
-        qk_in = self.qk_norm(x_l0)
-        gate = torch.sigmoid(torch.einsum("nfi,ifh->nfh", self.gate_norm(x_l0), self.gate_weight))
+        # Both norms divide by the same RMS (same input and eps): compute it once.
+        normalised = unit_rms(x_l0, self.eps)
+        qk_in = self.qk_norm.rescale(normalised)
+        gate_in = self.gate_norm.rescale(normalised)
+        gate = torch.sigmoid(torch.einsum("nfi,ifh->nfh", gate_in, self.gate_weight))
         return self.q_proj(qk_in), self.k_proj(qk_in), gate.flatten(1)
 
     def edge_weights(
@@ -175,10 +178,8 @@ class Attention(nn.Module):
         the normalisation; edges with env = 0 drop out exactly.
         """
         active = env > 0
-        log_w = 2.0 * torch.log(torch.where(active, env, torch.ones_like(env)))
-        eff = torch.where(
-            active[:, None], logits + log_w[:, None], torch.full_like(logits, -math.inf)
-        )
+        log_env = torch.log(torch.where(active, env, 1.0))
+        eff = torch.where(active[:, None], logits.add(log_env[:, None], alpha=2.0), -math.inf)
         null_logit = torch.log(F.softplus(self.null_raw).reshape(1, -1) + self.eps)
         # The shift cancels exactly, so it carries no gradient (a max is order-independent).
         shift = null_logit.detach().expand(ops.chunk.n_nodes, -1).clone()
