@@ -272,7 +272,7 @@ def throughput_phase(url: str, client_counts: list[int], duration: float) -> dic
     return rows
 
 
-# -- CPU micro-benchmark with a do-nothing model (--fake-model) -----------------------------------
+# CPU micro-benchmark with a do-nothing model (--fake-model)
 
 
 @dataclass(frozen=True)

@@ -231,17 +231,17 @@ def attention_aggregate_backward_reference(
 
 
 # Triton kernels. A node program walks its dst segment BLOCK_E edges at a time; tiles are
-# (BLOCK_E, DP, BC): edges × packed rows (D padded to a power of two) × channel lanes (masked).
+# (BLOCK_E, DP, WP): edges × packed rows (D padded to a power of two) × channel lanes (masked).
 # Every offset that scales with E or N is int64.
 
 
 @triton.jit
-def _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, row: tl.constexpr, l: tl.constexpr):
+def _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, row: tl.constexpr, l: tl.constexpr):
     """``wigner[e, row, q]`` for the columns q of degree l's block (0 elsewhere): (BLOCK_E, DP)."""
     in_block = (cols >= l * l) & (cols < (l + 1) * (l + 1))
     return tl.load(
         w_edge[:, None] + row * w_sr + (cols * w_sc)[None, :],
-        mask=e_mask[:, None] & in_block[None, :],
+        mask=edge_live[:, None] & in_block[None, :],
         other=0.0,
     )
 
@@ -250,25 +250,25 @@ def _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, row: tl.constexpr, l: tl.const
 def _aggregate_fwd_kernel(
     x_ptr, w_ptr, wt_ptr, rowptr_ptr, scale_ptr, out_ptr,
     x_se, w_se, w_sr, w_sc, wt_se, wt_sg,
-    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, GW: tl.constexpr,
+    L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, GW: tl.constexpr,
     DP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    ROW: tl.constexpr = (3 * L + 1) * CF
+    ROW: tl.constexpr = (3 * L + 1) * FD
     D: tl.constexpr = (L + 1) * (L + 1)
     node = tl.program_id(0).to(tl.int64)
-    chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = chan < CW
-    # Channel c = f·CF + cf sits at f·ROW + r·CF + cf inside an edge's (F, ROW) row.
-    x_chan = (chan // CF) * ROW + chan % CF
-    group = chan // GW
+    cvec = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = cvec < WD
+    # Channel c = f·FD + cf sits at f·ROW + r·FD + cf inside an edge's (F, ROW) row.
+    x_chan = (cvec // FD) * ROW + cvec % FD
+    group = cvec // GW
     cols = tl.arange(0, DP)
     first = tl.load(rowptr_ptr + node)
     stop = tl.load(rowptr_ptr + node + 1)
     acc = tl.zeros((DP, BLOCK_C), dtype=tl.float32)
     for k0 in range(first, stop, BLOCK_E):
         edges = k0 + tl.arange(0, BLOCK_E)
-        e_mask = edges < stop
-        tile_mask = e_mask[:, None] & c_mask[None, :]
+        edge_live = edges < stop
+        tile_mask = edge_live[:, None] & c_mask[None, :]
         weight = tl.load(
             wt_ptr + (edges * wt_se)[:, None] + (group * wt_sg)[None, :], mask=tile_mask, other=0.0
         )
@@ -276,40 +276,40 @@ def _aggregate_fwd_kernel(
         w_edge = w_ptr + edges * w_se
         for l in tl.static_range(L + 1):
             centre = l * l + l
-            xr = tl.load(x_edge + l * CF, mask=tile_mask, other=0.0) * weight
-            d_row = _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, centre, l)
+            xr = tl.load(x_edge + l * FD, mask=tile_mask, other=0.0) * weight
+            d_row = _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, centre, l)
             acc += tl.sum(d_row[:, :, None] * xr[:, None, :], axis=0)
             if l > 0:
-                xr = tl.load(x_edge + (L + l) * CF, mask=tile_mask, other=0.0) * weight
-                d_row = _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, centre - 1, l)
+                xr = tl.load(x_edge + (L + l) * FD, mask=tile_mask, other=0.0) * weight
+                d_row = _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, centre - 1, l)
                 acc += tl.sum(d_row[:, :, None] * xr[:, None, :], axis=0)
-                xr = tl.load(x_edge + (2 * L + l) * CF, mask=tile_mask, other=0.0) * weight
-                d_row = _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, centre + 1, l)
+                xr = tl.load(x_edge + (2 * L + l) * FD, mask=tile_mask, other=0.0) * weight
+                d_row = _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, centre + 1, l)
                 acc += tl.sum(d_row[:, :, None] * xr[:, None, :], axis=0)
     scale = tl.load(scale_ptr + cols, mask=cols < D, other=0.0)
-    out = out_ptr + node * (D * CW) + (cols * CW)[:, None] + chan[None, :]
+    out = out_ptr + node * (D * WD) + (cols * WD)[:, None] + cvec[None, :]
     tl.store(out, acc * scale[:, None], mask=(cols < D)[:, None] & c_mask[None, :])
 
 
 @triton.jit
 def _aggregate_bwd_row(
-    g, x_edge, gx_edge, w_edge, gw_edge, weight, e_mask, tile_mask, cols,
+    g, x_edge, gx_edge, w_edge, gw_edge, weight, edge_live, tile_mask, cols,
     w_sr, w_sc, gw_sr, gw_sc,
-    row: tl.constexpr, l: tl.constexpr, r: tl.constexpr, CF: tl.constexpr,
+    row: tl.constexpr, l: tl.constexpr, r: tl.constexpr, FD: tl.constexpr,
 ):  # fmt: skip
     """One reduced row r (packed ``row``, degree l) of one edge block: stores ``grad x_local``
-    and the structural ``grad wigner`` entries, returns the (BLOCK_E, BC) channel products that
+    and the structural ``grad wigner`` entries, returns the (BLOCK_E, WP) channel products that
     sum to ``grad weights``."""
-    d_row = _wigner_row(w_edge, e_mask, cols, w_sr, w_sc, row, l)
+    d_row = _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, row, l)
     g_local = tl.sum(d_row[:, :, None] * g[None, :, :], axis=1)
-    xr = tl.load(x_edge + r * CF, mask=tile_mask, other=0.0)
-    tl.store(gx_edge + r * CF, g_local * weight, mask=tile_mask)
+    xr = tl.load(x_edge + r * FD, mask=tile_mask, other=0.0)
+    tl.store(gx_edge + r * FD, g_local * weight, mask=tile_mask)
     grad_row = tl.sum(g[None, :, :] * (xr * weight)[:, None, :], axis=2)
     in_block = (cols >= l * l) & (cols < (l + 1) * (l + 1))
     tl.store(
         gw_edge[:, None] + row * gw_sr + (cols * gw_sc)[None, :],
         grad_row,
-        mask=e_mask[:, None] & in_block[None, :],
+        mask=edge_live[:, None] & in_block[None, :],
     )
     return g_local * xr
 
@@ -319,35 +319,35 @@ def _aggregate_bwd_kernel(
     gout_ptr, x_ptr, w_ptr, wt_ptr, rowptr_ptr, scale_ptr,
     gx_ptr, gw_ptr, gwt_ptr,
     x_se, w_se, w_sr, w_sc, wt_se, wt_sg, gw_se, gw_sr, gw_sc,
-    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, GW: tl.constexpr, G: tl.constexpr,
-    GP: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, BLOCK_E: tl.constexpr,
+    L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, GW: tl.constexpr, G: tl.constexpr,
+    GP: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    ROW: tl.constexpr = (3 * L + 1) * CF
+    ROW: tl.constexpr = (3 * L + 1) * FD
     D: tl.constexpr = (L + 1) * (L + 1)
     node = tl.program_id(0).to(tl.int64)
-    chan = tl.arange(0, BC)
-    c_mask = chan < CW
-    x_chan = (chan // CF) * ROW + chan % CF
-    group = chan // GW
+    cvec = tl.arange(0, WP)
+    c_mask = cvec < WD
+    x_chan = (cvec // FD) * ROW + cvec % FD
+    group = cvec // GW
     cols = tl.arange(0, DP)
     scale = tl.load(scale_ptr + cols, mask=cols < D, other=0.0)
     g = (
         tl.load(
-            gout_ptr + node * (D * CW) + (cols * CW)[:, None] + chan[None, :],
+            gout_ptr + node * (D * WD) + (cols * WD)[:, None] + cvec[None, :],
             mask=(cols < D)[:, None] & c_mask[None, :],
             other=0.0,
         )
         * scale[:, None]
     )
-    # (GP, BC) selector summing a group's channels into its weight gradient.
+    # (GP, WP) selector summing a group's channels into its weight gradient.
     groups = tl.arange(0, GP)
     selector = ((group[None, :] == groups[:, None]) & c_mask[None, :]).to(tl.float32)
     first = tl.load(rowptr_ptr + node)
     stop = tl.load(rowptr_ptr + node + 1)
     for k0 in range(first, stop, BLOCK_E):
         edges = k0 + tl.arange(0, BLOCK_E)
-        e_mask = edges < stop
-        tile_mask = e_mask[:, None] & c_mask[None, :]
+        edge_live = edges < stop
+        tile_mask = edge_live[:, None] & c_mask[None, :]
         weight = tl.load(
             wt_ptr + (edges * wt_se)[:, None] + (group * wt_sg)[None, :], mask=tile_mask, other=0.0
         )
@@ -355,27 +355,27 @@ def _aggregate_bwd_kernel(
         gx_edge = gx_ptr + (edges * x_se)[:, None] + x_chan[None, :]
         w_edge = w_ptr + edges * w_se
         gw_edge = gw_ptr + edges * gw_se
-        products = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
+        products = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
         for l in tl.static_range(L + 1):
             centre = l * l + l
             products += _aggregate_bwd_row(
-                g, x_edge, gx_edge, w_edge, gw_edge, weight, e_mask, tile_mask, cols,
-                w_sr, w_sc, gw_sr, gw_sc, centre, l, l, CF,
+                g, x_edge, gx_edge, w_edge, gw_edge, weight, edge_live, tile_mask, cols,
+                w_sr, w_sc, gw_sr, gw_sc, centre, l, l, FD,
             )  # fmt: skip
             if l > 0:
                 products += _aggregate_bwd_row(
-                    g, x_edge, gx_edge, w_edge, gw_edge, weight, e_mask, tile_mask, cols,
-                    w_sr, w_sc, gw_sr, gw_sc, centre - 1, l, L + l, CF,
+                    g, x_edge, gx_edge, w_edge, gw_edge, weight, edge_live, tile_mask, cols,
+                    w_sr, w_sc, gw_sr, gw_sc, centre - 1, l, L + l, FD,
                 )  # fmt: skip
                 products += _aggregate_bwd_row(
-                    g, x_edge, gx_edge, w_edge, gw_edge, weight, e_mask, tile_mask, cols,
-                    w_sr, w_sc, gw_sr, gw_sc, centre + 1, l, 2 * L + l, CF,
+                    g, x_edge, gx_edge, w_edge, gw_edge, weight, edge_live, tile_mask, cols,
+                    w_sr, w_sc, gw_sr, gw_sc, centre + 1, l, 2 * L + l, FD,
                 )  # fmt: skip
         grad_weight = tl.sum(products[:, None, :] * selector[None, :, :], axis=2)
         tl.store(
             gwt_ptr + (edges * G)[:, None] + groups[None, :],
             grad_weight,
-            mask=e_mask[:, None] & (groups < G)[None, :],
+            mask=edge_live[:, None] & (groups < G)[None, :],
         )
 
 
@@ -386,7 +386,7 @@ _INTERPRETER_BLOCK_E = 16
 
 
 def _block_e(device: torch.device) -> int:
-    # On the GPU one edge per step keeps the (BLOCK_E, DP, BC) temporaries in registers; the
+    # On the GPU one edge per step keeps the (BLOCK_E, DP, WP) temporaries in registers; the
     # neighbour segments (~10²) give each program a long enough loop to hide load latency.
     return 1 if device.type == "cuda" else _INTERPRETER_BLOCK_E
 
@@ -420,7 +420,7 @@ def launch_aggregate_fwd(
         x_local, wigner, weights, dst_rowptr, scale, out,
         x_local.stride(0), wigner.stride(0), wigner.stride(1), wigner.stride(2),
         weights.stride(0), weights.stride(1),
-        L=lmax, CF=focus_dim, CW=c_wide, GW=group_width, DP=dp, BLOCK_C=block_c,
+        L=lmax, FD=focus_dim, WD=c_wide, GW=group_width, DP=dp, BLOCK_C=block_c,
         BLOCK_E=_block_e(x_local.device), num_warps=_num_warps(dp, block_c),
     )  # fmt: skip
     return out
@@ -452,8 +452,8 @@ def launch_aggregate_bwd(
         x_local.stride(0), wigner.stride(0), wigner.stride(1), wigner.stride(2),
         weights.stride(0), weights.stride(1),
         grad_wigner.stride(0), grad_wigner.stride(1), grad_wigner.stride(2),
-        L=lmax, CF=focus_dim, CW=c_wide, GW=group_width, G=n_group,
-        GP=triton.next_power_of_2(n_group), DP=dp, BC=lanes,
+        L=lmax, FD=focus_dim, WD=c_wide, GW=group_width, G=n_group,
+        GP=triton.next_power_of_2(n_group), DP=dp, WP=lanes,
         BLOCK_E=_block_e(x_local.device), num_warps=_num_warps(dp, lanes),
     )  # fmt: skip
     return grad_x, grad_wigner, grad_weights

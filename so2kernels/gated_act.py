@@ -215,7 +215,7 @@ def _gated_act_fused(z: Tensor, gw: Tensor, lmax: int, focus_dim: int) -> Tensor
     gate_width = lmax * focus_dim
     wrap_triton(gate_fwd_kernel)[_gate_grid(n_edge, gate_width, n_focus, cfg)](
         z, gw, gw, z, z, out, n_edge, 0,
-        L=lmax, CF=focus_dim, HAS_RES=False, ALL_ROWS=True, STORE_SIG=False, FAST=False,
+        L=lmax, FD=focus_dim, HAS_RES=False, ALL_ROWS=True, STORE_SIG=False, FAST=False,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -237,11 +237,11 @@ def _gated_act_bwd_fused(
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     wrap_triton(gate_bwd_kernel)[_gate_grid(n_edge, gate_width, n_focus, cfg)](
         z, gw, gw, grad, grad_z, grad_logit, z, z, n_edge, 0,
-        L=lmax, CF=focus_dim, RECOVER=False, FAST=False, **tiles, **launch,
+        L=lmax, FD=focus_dim, RECOVER=False, FAST=False, **tiles, **launch,
     )  # fmt: skip
     wrap_triton(scalar_bwd_kernel)[_gate_grid(n_edge, focus_dim, n_focus, cfg)](
         grad_logit, gwt, gwt, z, grad, grad_z, z, z, n_edge, 0,
-        L=lmax, CF=focus_dim, RECOVER=False, FAST=False, **tiles, **launch,
+        L=lmax, FD=focus_dim, RECOVER=False, FAST=False, **tiles, **launch,
     )  # fmt: skip
     return grad_z, grad_logit
 

@@ -181,7 +181,7 @@ def _mixing_stack_fused(
     w0 = weight_operands(w0_all, precision)
     w1 = weight_operands(w1_all, precision)
     gws = weight_operands(gw_all, precision)
-    shared = {"L": lmax, "CF": focus_dim, "FAST": fast}
+    shared = {"L": lmax, "FD": focus_dim, "FAST": fast}
     gemm_meta = {
         "BLOCK_M": gemm.block_m, "BLOCK_N": gemm.block_n, "BLOCK_K": gemm.block_k,
         "num_warps": gemm.num_warps, "num_stages": gemm.num_stages, **shared,

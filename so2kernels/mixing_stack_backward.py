@@ -192,7 +192,7 @@ class _Launcher:
     ):
         self.n_edge, self.n_focus, self.cfg = n_edge, n_focus, cfg
         self.meta = {
-            "L": lmax, "CF": focus_dim, "FAST": fast,
+            "L": lmax, "FD": focus_dim, "FAST": fast,
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
         }  # fmt: skip

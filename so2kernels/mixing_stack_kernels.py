@@ -217,13 +217,13 @@ def block_fwd_kernel(
     w_ptr,  # (NL, F, W, W) block weights (fp16 head when FAST)
     w_lo_ptr,  # (NL, F, W, W) fp16 tails when FAST
     z_ptr,  # (NG, F, E, ROW) pre-activation stack (gated layers)
-    sig_ptr,  # (F, E, LG) gates of this layer (gated layers, |m|=1 block)
+    sig_ptr,  # (F, E, GWD) gates of this layer (gated layers, |m|=1 block)
     alpha_ptr,  # (E, F) competition weight (FINAL with APPLY_ALPHA)
     out_ptr,  # (F, E, ROW) next activation; (E, F, ROW) edge-major when FINAL
     n_edge,
     layer,
     L: tl.constexpr,
-    CF: tl.constexpr,
+    FD: tl.constexpr,
     M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
@@ -238,10 +238,10 @@ def block_fwd_kernel(
     applies the gates, ``out = u + z·σ``. Final identity layer (``FINAL``): ``(u + z)·alpha``
     stored edge-major.
     """
-    M0: tl.constexpr = (L + 1) * CF
-    ROW: tl.constexpr = (3 * L + 1) * CF
-    LG: tl.constexpr = L * CF
-    WIDTH: tl.constexpr = 2 * LG if M1_BLOCK else M0
+    M0: tl.constexpr = (L + 1) * FD
+    ROW: tl.constexpr = (3 * L + 1) * FD
+    GWD: tl.constexpr = L * FD
+    WIDTH: tl.constexpr = 2 * GWD if M1_BLOCK else M0
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
     fid = tl.program_id(1).to(tl.int64)
     n_focus = tl.num_programs(1)
@@ -267,13 +267,13 @@ def block_fwd_kernel(
         tl.store(z_rows[:, None] + cols[None, :], acc, mask=mask)
         out_rows = out_ptr + (fid * n_edge + rows) * ROW + COL0
         if M1_BLOCK:
-            gate_cols = cols % LG
-            sig_rows = sig_ptr + (fid * n_edge + rows) * LG
+            gate_cols = cols % GWD
+            sig_rows = sig_ptr + (fid * n_edge + rows) * GWD
             gate = tl.load(sig_rows[:, None] + gate_cols[None, :], mask=mask, other=0.0)
             tl.store(out_rows[:, None] + cols[None, :], u_tile + acc * gate, mask=mask)
         else:
             # Scalar rows need no gate: SiLU lands here; the gate kernel fills the l>=1 m=0 rows.
-            scalar_mask = mask & (cols < CF)[None, :]
+            scalar_mask = mask & (cols < FD)[None, :]
             silu = acc * tl.sigmoid(acc)
             tl.store(out_rows[:, None] + cols[None, :], u_tile + silu, mask=scalar_mask)
 
@@ -281,15 +281,15 @@ def block_fwd_kernel(
 @triton.jit
 def gate_fwd_kernel(
     z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
-    gw_ptr,  # (NG, F, CF, LG) gate projections (fp16 head when FAST)
+    gw_ptr,  # (NG, F, FD, GWD) gate projections (fp16 head when FAST)
     gw_lo_ptr,
     res_ptr,  # (F, E, ROW) residual added to the activation (HAS_RES)
-    sig_ptr,  # (F, E, LG) gates out (STORE_SIG)
+    sig_ptr,  # (F, E, GWD) gates out (STORE_SIG)
     out_ptr,  # (F, E, ROW)
     n_edge,
     layer,
     L: tl.constexpr,
-    CF: tl.constexpr,
+    FD: tl.constexpr,
     HAS_RES: tl.constexpr,
     ALL_ROWS: tl.constexpr,
     STORE_SIG: tl.constexpr,
@@ -304,28 +304,28 @@ def gate_fwd_kernel(
     epilogue; the standalone activation (``ALL_ROWS=True``) also writes the |m|=1 rows and the
     SiLU scalar rows (from the programs of the first column tile).
     """
-    ROW: tl.constexpr = (3 * L + 1) * CF
-    LG: tl.constexpr = L * CF
-    CP: tl.constexpr = triton.next_power_of_2(CF)
+    ROW: tl.constexpr = (3 * L + 1) * FD
+    GWD: tl.constexpr = L * FD
+    FP: tl.constexpr = triton.next_power_of_2(FD)
     fid = tl.program_id(1).to(tl.int64)
     n_focus = tl.num_programs(1)
-    rows, row_mask, cols, col_mask, pid_n = _tile_coords(n_edge, LG, BLOCK_M, BLOCK_N)
+    rows, row_mask, cols, col_mask, pid_n = _tile_coords(n_edge, GWD, BLOCK_M, BLOCK_N)
 
     z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW
-    g_off = (layer * n_focus + fid) * CF * LG
+    g_off = (layer * n_focus + fid) * FD * GWD
     logit = _tile_matmul(
         z_rows, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-        CF, LG, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+        FD, GWD, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
     )  # fmt: skip
     gate = tl.sigmoid(logit)
     mask = row_mask[:, None] & col_mask[None, :]
     act_rows = (fid * n_edge + rows) * ROW
     if STORE_SIG:
-        sig_rows = sig_ptr + (fid * n_edge + rows) * LG
+        sig_rows = sig_ptr + (fid * n_edge + rows) * GWD
         tl.store(sig_rows[:, None] + cols[None, :], gate, mask=mask)
     n_gated_rows: tl.constexpr = 3 if ALL_ROWS else 1
     for r in tl.static_range(n_gated_rows):
-        col = CF + r * LG + cols
+        col = FD + r * GWD + cols
         z_tile = tl.load(z_rows[:, None] + col[None, :], mask=mask, other=0.0)
         value = z_tile * gate
         if HAS_RES:
@@ -333,8 +333,8 @@ def gate_fwd_kernel(
         tl.store(out_ptr + act_rows[:, None] + col[None, :], value, mask=mask)
     if ALL_ROWS:  # noqa: SIM102  (constexpr branch around a runtime one)
         if pid_n == 0:
-            sc = tl.arange(0, CP)
-            s_mask = row_mask[:, None] & (sc < CF)[None, :]
+            sc = tl.arange(0, FP)
+            s_mask = row_mask[:, None] & (sc < FD)[None, :]
             s = tl.load(z_rows[:, None] + sc[None, :], mask=s_mask, other=0.0)
             silu = s * tl.sigmoid(s)
             if HAS_RES:
@@ -348,17 +348,17 @@ def gate_fwd_kernel(
 @triton.jit
 def gate_bwd_kernel(
     z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
-    gw_ptr,  # (NG, F, CF, LG) (fp16 head when FAST)
+    gw_ptr,  # (NG, F, FD, GWD) (fp16 head when FAST)
     gw_lo_ptr,
     g_ptr,  # (F, E, ROW) cotangent of the activation output
     gz_ptr,  # (F, E, ROW) out: cotangent of z, gated rows
-    q_ptr,  # (F, E, LG) out: cotangent of the gate logits
+    q_ptr,  # (F, E, GWD) out: cotangent of the gate logits
     unext_ptr,  # (F, E, ROW) layer output (RECOVER)
     uprev_ptr,  # (F, E, ROW) out: recovered layer input, gated rows (RECOVER)
     n_edge,
     layer,
     L: tl.constexpr,
-    CF: tl.constexpr,
+    FD: tl.constexpr,
     RECOVER: tl.constexpr,
     FAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -369,24 +369,24 @@ def gate_bwd_kernel(
 
     With ``RECOVER`` it also walks the residual back, ``u_prev = u_next - z·σ`` on the gated rows.
     """
-    ROW: tl.constexpr = (3 * L + 1) * CF
-    LG: tl.constexpr = L * CF
+    ROW: tl.constexpr = (3 * L + 1) * FD
+    GWD: tl.constexpr = L * FD
     fid = tl.program_id(1).to(tl.int64)
     n_focus = tl.num_programs(1)
-    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, LG, BLOCK_M, BLOCK_N)
+    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, GWD, BLOCK_M, BLOCK_N)
 
     z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW
-    g_off = (layer * n_focus + fid) * CF * LG
+    g_off = (layer * n_focus + fid) * FD * GWD
     logit = _tile_matmul(
         z_rows, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-        CF, LG, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+        FD, GWD, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
     )  # fmt: skip
     gate = tl.sigmoid(logit)
     mask = row_mask[:, None] & col_mask[None, :]
     act_rows = (fid * n_edge + rows) * ROW
     dot_gz = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r in tl.static_range(3):
-        col = CF + r * LG + cols
+        col = FD + r * GWD + cols
         z_tile = tl.load(z_rows[:, None] + col[None, :], mask=mask, other=0.0)
         g_tile = tl.load(g_ptr + act_rows[:, None] + col[None, :], mask=mask, other=0.0)
         tl.store(gz_ptr + act_rows[:, None] + col[None, :], g_tile * gate, mask=mask)
@@ -396,14 +396,14 @@ def gate_bwd_kernel(
             tl.store(
                 uprev_ptr + act_rows[:, None] + col[None, :], u_tile - z_tile * gate, mask=mask
             )
-    q_rows = q_ptr + (fid * n_edge + rows) * LG
+    q_rows = q_ptr + (fid * n_edge + rows) * GWD
     tl.store(q_rows[:, None] + cols[None, :], dot_gz * gate * (1.0 - gate), mask=mask)
 
 
 @triton.jit
 def scalar_bwd_kernel(
-    q_ptr,  # (F, E, LG) gate-logit cotangent
-    gwt_ptr,  # (NG, F, LG, CF) transposed gate projections (fp16 head when FAST)
+    q_ptr,  # (F, E, GWD) gate-logit cotangent
+    gwt_ptr,  # (NG, F, GWD, FD) transposed gate projections (fp16 head when FAST)
     gwt_lo_ptr,
     z_ptr,  # (NG, F, E, ROW) pre-activations
     g_ptr,  # (F, E, ROW) cotangent of the activation output
@@ -413,7 +413,7 @@ def scalar_bwd_kernel(
     n_edge,
     layer,
     L: tl.constexpr,
-    CF: tl.constexpr,
+    FD: tl.constexpr,
     RECOVER: tl.constexpr,
     FAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -421,17 +421,17 @@ def scalar_bwd_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Scalar-row backward ``gz_s = g_s·silu'(s) + q @ gwᵀ``; ``u_prev = u_next - silu(s)``."""
-    ROW: tl.constexpr = (3 * L + 1) * CF
-    LG: tl.constexpr = L * CF
+    ROW: tl.constexpr = (3 * L + 1) * FD
+    GWD: tl.constexpr = L * FD
     fid = tl.program_id(1).to(tl.int64)
     n_focus = tl.num_programs(1)
-    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, CF, BLOCK_M, BLOCK_N)
+    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, FD, BLOCK_M, BLOCK_N)
 
-    q_rows = q_ptr + (fid * n_edge + rows) * LG
-    g_off = (layer * n_focus + fid) * LG * CF
+    q_rows = q_ptr + (fid * n_edge + rows) * GWD
+    g_off = (layer * n_focus + fid) * GWD * FD
     acc = _tile_matmul(
         q_rows, row_mask, gwt_ptr + g_off, gwt_lo_ptr + g_off, cols, col_mask,
-        LG, CF, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+        GWD, FD, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
     )  # fmt: skip
     mask = row_mask[:, None] & col_mask[None, :]
     z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW
@@ -457,7 +457,7 @@ def block_bwd_kernel(
     n_edge,
     layer,
     L: tl.constexpr,
-    CF: tl.constexpr,
+    FD: tl.constexpr,
     M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
@@ -471,10 +471,10 @@ def block_bwd_kernel(
     For the final identity layer (``FINAL``) ``gz = g_out = alpha·grad`` is read edge-major and
     alpha is applied after the product: ``g_in = alpha·(grad + grad @ Wᵀ)``.
     """
-    M0: tl.constexpr = (L + 1) * CF
-    ROW: tl.constexpr = (3 * L + 1) * CF
-    LG: tl.constexpr = L * CF
-    WIDTH: tl.constexpr = 2 * LG if M1_BLOCK else M0
+    M0: tl.constexpr = (L + 1) * FD
+    ROW: tl.constexpr = (3 * L + 1) * FD
+    GWD: tl.constexpr = L * FD
+    WIDTH: tl.constexpr = 2 * GWD if M1_BLOCK else M0
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
     fid = tl.program_id(1).to(tl.int64)
     n_focus = tl.num_programs(1)

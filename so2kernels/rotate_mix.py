@@ -244,7 +244,7 @@ def rotate_mix_reference(
 
 
 # Triton building blocks shared by the forward and backward kernels.
-# A "tile" is (BLOCK_E, BC): BLOCK_E edges × BC = next_pow2(C_wide) channel lanes (masked).
+# A "tile" is (BLOCK_E, WP): BLOCK_E edges × WP = next_pow2(C_wide) channel lanes (masked).
 # Strides inside one edge's or one node's block are compile-time constants (the launcher
 # normalises layouts), so the many scalar Wigner/kernel loads address as base + immediate
 # instead of holding a 64-bit address each. Offsets that scale with E or N are int64.
@@ -252,17 +252,17 @@ def rotate_mix_reference(
 
 @triton.jit
 def _rotate_to_local(
-    x_tile,  # pointers to x[s, 0, c]: (BLOCK_E, BC), or (1, BC) when all edges share one node
+    x_tile,  # pointers to x[s, 0, c]: (BLOCK_E, WP), or (1, WP) when all edges share one node
     x_mask,  # mask of the same shape as x_tile
     w_edge,  # (BLOCK_E,) pointers to wigner[e, 0, 0]
-    e_mask,  # (BLOCK_E,)
+    edge_live,  # (BLOCK_E,)
     L: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BC: tl.constexpr,
+    WP: tl.constexpr,
     X_SD: tl.constexpr,  # stride between packed rows of x (channels are unit-stride)
     W_SR: tl.constexpr,  # row stride of the Wigner block (columns are unit-stride)
 ):
-    """The 3L+1 reduced rows of the rotated features, m-major, each a (BLOCK_E, BC) tile.
+    """The 3L+1 reduced rows of the rotated features, m-major, each a (BLOCK_E, WP) tile.
 
     Reads only the three rows m' = -1, 0, +1 of each degree block and only that block's columns.
     """
@@ -271,16 +271,16 @@ def _rotate_to_local(
     rows_pos = ()
     for l in tl.static_range(L + 1):
         centre = l * l + l
-        acc_m0 = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
-        acc_neg = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
-        acc_pos = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
+        acc_m0 = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
+        acc_neg = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
+        acc_pos = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
         for j in tl.static_range(2 * l + 1):
             xv = tl.load(x_tile + (l * l + j) * X_SD, mask=x_mask, other=0.0)
             w_col = w_edge + (l * l + j)
-            acc_m0 += tl.load(w_col + centre * W_SR, mask=e_mask, other=0.0)[:, None] * xv
+            acc_m0 += tl.load(w_col + centre * W_SR, mask=edge_live, other=0.0)[:, None] * xv
             if l > 0:
-                w_neg = tl.load(w_col + (centre - 1) * W_SR, mask=e_mask, other=0.0)
-                w_pos = tl.load(w_col + (centre + 1) * W_SR, mask=e_mask, other=0.0)
+                w_neg = tl.load(w_col + (centre - 1) * W_SR, mask=edge_live, other=0.0)
+                w_pos = tl.load(w_col + (centre + 1) * W_SR, mask=edge_live, other=0.0)
                 acc_neg += w_neg[:, None] * xv
                 acc_pos += w_pos[:, None] * xv
         rows_m0 = rows_m0 + (acc_m0,)
@@ -291,35 +291,35 @@ def _rotate_to_local(
 
 
 @triton.jit
-def _radial_row(kc_edge, chan, tile_mask, degree: tl.constexpr, CW: tl.constexpr):
-    """Rank-0 multiplier row ``kc[e, degree, :]`` as a tile (kc contiguous (E, L+1, CW))."""
-    return tl.load(kc_edge[:, None] + degree * CW + chan[None, :], mask=tile_mask, other=0.0)
+def _radial_row(kc_edge, cvec, tile_mask, degree: tl.constexpr, WD: tl.constexpr):
+    """Rank-0 multiplier row ``kc[e, degree, :]`` as a tile (kc contiguous (E, L+1, WD))."""
+    return tl.load(kc_edge[:, None] + degree * WD + cvec[None, :], mask=tile_mask, other=0.0)
 
 
 @triton.jit
-def _kernel_entry(kc_edge, e_mask, slot: tl.constexpr, r: tl.constexpr, RANK: tl.constexpr):
+def _kernel_entry(kc_edge, edge_live, slot: tl.constexpr, r: tl.constexpr, RANK: tl.constexpr):
     """Compact kernel scalar ``kc[e, slot·R + r]`` per edge, as a (BLOCK_E, 1) column."""
-    return tl.load(kc_edge + (slot * RANK + r), mask=e_mask, other=0.0)[:, None]
+    return tl.load(kc_edge + (slot * RANK + r), mask=edge_live, other=0.0)[:, None]
 
 
 @triton.jit
-def _load_basis(cb_ptr, chan, c_mask, RANK: tl.constexpr, CW: tl.constexpr):
-    """The R channel-basis rows (cb contiguous (R, CW)), each (1, BC)."""
+def _load_basis(cb_ptr, cvec, c_mask, RANK: tl.constexpr, WD: tl.constexpr):
+    """The R channel-basis rows (cb contiguous (R, WD)), each (1, WP)."""
     basis = ()
     for r in tl.static_range(RANK):
-        row = tl.load(cb_ptr + r * CW + chan, mask=c_mask, other=0.0)
+        row = tl.load(cb_ptr + r * WD + cvec, mask=c_mask, other=0.0)
         basis = basis + (row[None, :],)
     return basis
 
 
 @triton.jit
-def _mix_by_degree(xr, kc_edge, chan, tile_mask, L: tl.constexpr, CW: tl.constexpr):
+def _mix_by_degree(xr, kc_edge, cvec, tile_mask, L: tl.constexpr, WD: tl.constexpr):
     """Rank 0: each reduced row times the radial row of its degree."""
     out_m0 = ()
     out_neg = ()
     out_pos = ()
     for l in tl.static_range(L + 1):
-        rad = _radial_row(kc_edge, chan, tile_mask, l, CW)
+        rad = _radial_row(kc_edge, cvec, tile_mask, l, WD)
         out_m0 = out_m0 + (xr[l] * rad,)
         if l > 0:
             out_neg = out_neg + (xr[L + l] * rad,)
@@ -329,8 +329,8 @@ def _mix_by_degree(xr, kc_edge, chan, tile_mask, L: tl.constexpr, CW: tl.constex
 
 @triton.jit
 def _mix_low_rank(
-    xr, kc_edge, e_mask, basis, L: tl.constexpr, RANK: tl.constexpr,
-    BLOCK_E: tl.constexpr, BC: tl.constexpr, TRANSPOSE: tl.constexpr,
+    xr, kc_edge, edge_live, basis, L: tl.constexpr, RANK: tl.constexpr,
+    BLOCK_E: tl.constexpr, WP: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):  # fmt: skip
     """Rank R ≥ 1: ``y[o] = Σ_r cb[r] ⊙ Σ_i kc[slot(i, o), r] · xr[i]`` (per m-block).
 
@@ -339,25 +339,25 @@ def _mix_low_rank(
     n_m0: tl.constexpr = L + 1
     out_m0 = ()
     for o in tl.static_range(n_m0):
-        acc = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
         for r in tl.static_range(RANK):
-            part = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
+            part = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
             for i in tl.static_range(n_m0):
                 slot = o * n_m0 + i if TRANSPOSE else i * n_m0 + o
-                part += _kernel_entry(kc_edge, e_mask, slot, r, RANK) * xr[i]
+                part += _kernel_entry(kc_edge, edge_live, slot, r, RANK) * xr[i]
             acc += part * basis[r]
         out_m0 = out_m0 + (acc,)
     out_neg = ()
     out_pos = ()
     for o in tl.static_range(L):
-        acc_neg = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
-        acc_pos = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
+        acc_neg = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
+        acc_pos = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
         for r in tl.static_range(RANK):
-            part_neg = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
-            part_pos = tl.zeros((BLOCK_E, BC), dtype=tl.float32)
+            part_neg = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
+            part_pos = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
             for i in tl.static_range(L):
                 slot = n_m0 * n_m0 + (o * L + i if TRANSPOSE else i * L + o)
-                k = _kernel_entry(kc_edge, e_mask, slot, r, RANK)
+                k = _kernel_entry(kc_edge, edge_live, slot, r, RANK)
                 part_neg += k * xr[n_m0 + i]
                 part_pos += k * xr[n_m0 + L + i]
             acc_neg += part_neg * basis[r]
@@ -368,10 +368,10 @@ def _mix_low_rank(
 
 
 @triton.jit
-def _kernel_edge_stride(L: tl.constexpr, CW: tl.constexpr, RANK: tl.constexpr):
-    """Per-edge length of contiguous ``kc``: (L+1)·CW for rank 0, K·R otherwise."""
+def _kernel_edge_stride(L: tl.constexpr, WD: tl.constexpr, RANK: tl.constexpr):
+    """Per-edge length of contiguous ``kc``: (L+1)·WD for rank 0, K·R otherwise."""
     if RANK == 0:
-        return (L + 1) * CW
+        return (L + 1) * WD
     else:
         return ((L + 1) * (L + 1) + L * L) * RANK
 
@@ -383,33 +383,33 @@ def _kernel_edge_stride(L: tl.constexpr, CW: tl.constexpr, RANK: tl.constexpr):
 def _rotate_mix_fwd_kernel(
     x_ptr, src_ptr, w_ptr, kc_ptr, cb_ptr, u_ptr,
     n_edge, x_sn, w_se,
-    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, BC: tl.constexpr,
+    L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr,
     RANK: tl.constexpr, BLOCK_E: tl.constexpr, W_SR: tl.constexpr,
 ):  # fmt: skip
-    ROW: tl.constexpr = (3 * L + 1) * CF
+    ROW: tl.constexpr = (3 * L + 1) * FD
     edges = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_mask = edges < n_edge
-    chan = tl.arange(0, BC)
-    c_mask = chan < CW
-    tile_mask = e_mask[:, None] & c_mask[None, :]
+    edge_live = edges < n_edge
+    cvec = tl.arange(0, WP)
+    c_mask = cvec < WD
+    tile_mask = edge_live[:, None] & c_mask[None, :]
 
-    src = tl.load(src_ptr + edges, mask=e_mask, other=0).to(tl.int64)
-    x_tile = x_ptr + (src * x_sn)[:, None] + chan[None, :]
-    xr = _rotate_to_local(x_tile, tile_mask, w_ptr + edges * w_se, e_mask,
-                          L, BLOCK_E, BC, CW, W_SR)  # fmt: skip
+    src = tl.load(src_ptr + edges, mask=edge_live, other=0).to(tl.int64)
+    x_tile = x_ptr + (src * x_sn)[:, None] + cvec[None, :]
+    xr = _rotate_to_local(x_tile, tile_mask, w_ptr + edges * w_se, edge_live,
+                          L, BLOCK_E, WP, WD, W_SR)  # fmt: skip
 
-    kc_edge = kc_ptr + edges * _kernel_edge_stride(L, CW, RANK)
+    kc_edge = kc_ptr + edges * _kernel_edge_stride(L, WD, RANK)
     if RANK == 0:
-        y = _mix_by_degree(xr, kc_edge, chan, tile_mask, L, CW)
+        y = _mix_by_degree(xr, kc_edge, cvec, tile_mask, L, WD)
     else:
-        basis = _load_basis(cb_ptr, chan, c_mask, RANK, CW)
-        y = _mix_low_rank(xr, kc_edge, e_mask, basis, L, RANK, BLOCK_E, BC, False)
+        basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
+        y = _mix_low_rank(xr, kc_edge, edge_live, basis, L, RANK, BLOCK_E, WP, False)
 
-    # Focus-major store: wide channel c = f·CF + cf lands in u[f, e, r·CF + cf].
-    focus_offset = (chan // CF).to(tl.int64) * n_edge * ROW + chan % CF
+    # Focus-major store: wide channel c = f·FD + cf lands in u[f, e, r·FD + cf].
+    focus_offset = (cvec // FD).to(tl.int64) * n_edge * ROW + cvec % FD
     u_tile = u_ptr + focus_offset[None, :] + (edges * ROW)[:, None]
     for r in tl.static_range(3 * L + 1):
-        tl.store(u_tile + r * CF, y[r], mask=tile_mask)
+        tl.store(u_tile + r * FD, y[r], mask=tile_mask)
 
 
 # Launcher
@@ -453,7 +453,7 @@ def launch_rotate_mix_fwd(
     wrap_triton(_rotate_mix_fwd_kernel)[grid](
         x, src, wigner, kc, cb, u,
         n_edge, x.stride(0), wigner.stride(0),
-        L=lmax, CF=focus_dim, CW=c_wide, BC=triton.next_power_of_2(c_wide),
+        L=lmax, FD=focus_dim, WD=c_wide, WP=triton.next_power_of_2(c_wide),
         RANK=rank, BLOCK_E=tiles.block_e, W_SR=wigner.stride(1), num_warps=tiles.num_warps,
     )  # fmt: skip
     return u

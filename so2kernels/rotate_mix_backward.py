@@ -69,9 +69,7 @@ from so2kernels.rotate_mix import (
 from so2kernels.segment import _launch_segment_sum, segment_sum_reference
 from so2kernels.tiles import LaunchTiles, rotate_mix_tiles
 
-# ---------------------------------------------------------------------------------------------
 # Eager closed-form reference (any dtype)
-# ---------------------------------------------------------------------------------------------
 
 
 def rotate_mix_backward_reference(
@@ -92,9 +90,9 @@ def rotate_mix_backward_reference(
     check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
     dim, red = n_coeff(lmax), n_reduced(lmax)
     rows = wigner_reduced_rows(wigner, lmax)  # (E, RED, D)
-    x_src = x.index_select(0, src)  # (E, D, CW)
-    xr = torch.bmm(rows, x_src)  # (E, RED, CW)
-    grad_y = from_focus_major(grad_u, red)  # (E, RED, CW)
+    x_src = x.index_select(0, src)  # (E, D, WD)
+    xr = torch.bmm(rows, x_src)  # (E, RED, WD)
+    grad_y = from_focus_major(grad_u, red)  # (E, RED, WD)
     if rank == 0:
         degrees = degree_index(lmax, x.device)
         grad_local = grad_y * kc.index_select(1, degrees)
@@ -115,41 +113,39 @@ def rotate_mix_backward_reference(
     grad_block = grad_rows.new_zeros((src.shape[0], dim, dim)).index_copy(1, packed, grad_rows)
     grad_wigner = torch.zeros_like(wigner, memory_format=torch.contiguous_format)
     grad_wigner[:, :dim, :dim] = grad_block
-    grad_x_edge = torch.bmm(rows.transpose(1, 2), grad_local)  # (E, D, CW)
+    grad_x_edge = torch.bmm(rows.transpose(1, 2), grad_local)  # (E, D, WD)
     grad_x = segment_sum_reference(grad_x_edge, src_order, src_rowptr)
     return grad_x, grad_wigner, grad_kc, grad_cb
 
 
-# ---------------------------------------------------------------------------------------------
 # Triton kernels: the node and edge schedules share the per-edge-block body.
 # grad_kc / grad_wigner / grad_x / grad_u are contiguous, so their inner strides are constants.
-# ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _store_kernel_grads_by_degree(gy, xr, gkc_edge, chan, tile_mask, L: tl.constexpr,
-                                  CW: tl.constexpr):  # fmt: skip
+def _store_kernel_grads_by_degree(gy, xr, gkc_edge, cvec, tile_mask, L: tl.constexpr,
+                                  WD: tl.constexpr):  # fmt: skip
     """Rank 0: ``grad kc[e, l, :] = Σ_{rows r of degree l} gy[r] ⊙ xr[r]``."""
     for l in tl.static_range(L + 1):
         t = gy[l] * xr[l]
         if l > 0:
             t += gy[L + l] * xr[L + l] + gy[2 * L + l] * xr[2 * L + l]
-        tl.store(gkc_edge[:, None] + l * CW + chan[None, :], t, mask=tile_mask)
+        tl.store(gkc_edge[:, None] + l * WD + cvec[None, :], t, mask=tile_mask)
 
 
 @triton.jit
-def _accumulate_basis_grad(cb_acc, t, kc_edge, e_mask, slot: tl.constexpr, RANK: tl.constexpr):
+def _accumulate_basis_grad(cb_acc, t, kc_edge, edge_live, slot: tl.constexpr, RANK: tl.constexpr):
     """``cb_acc[r] += Σ_edges kc[e, slot·R + r] · t[e, :]`` for every r."""
     updated = ()
     for r in tl.static_range(RANK):
-        k = _kernel_entry(kc_edge, e_mask, slot, r, RANK)
+        k = _kernel_entry(kc_edge, edge_live, slot, r, RANK)
         updated = updated + (cb_acc[r] + tl.sum(t * k, axis=0),)
     return updated
 
 
 @triton.jit
 def _store_kernel_grads_low_rank(
-    gy, xr, gkc_edge, kc_edge, e_mask, basis, cb_acc,
+    gy, xr, gkc_edge, kc_edge, edge_live, basis, cb_acc,
     L: tl.constexpr, RANK: tl.constexpr, WANT_CB: tl.constexpr,
 ):  # fmt: skip
     """Rank R ≥ 1: ``grad kc[e, slot(i, o)·R + r] = Σ_c cb[r, c]·t_io[e, c]`` with
@@ -161,85 +157,85 @@ def _store_kernel_grads_low_rank(
             t = gy[o] * xr[i]
             for r in tl.static_range(RANK):
                 tl.store(gkc_edge + ((i * n_m0 + o) * RANK + r), tl.sum(t * basis[r], axis=1),
-                         mask=e_mask)  # fmt: skip
+                         mask=edge_live)  # fmt: skip
             if WANT_CB:
-                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, e_mask, i * n_m0 + o, RANK)
+                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, edge_live, i * n_m0 + o, RANK)
     for i in tl.static_range(L):
         for o in tl.static_range(L):
             t = gy[n_m0 + o] * xr[n_m0 + i] + gy[n_m0 + L + o] * xr[n_m0 + L + i]
             for r in tl.static_range(RANK):
                 tl.store(gkc_edge + ((n_m0 * n_m0 + i * L + o) * RANK + r),
-                         tl.sum(t * basis[r], axis=1), mask=e_mask)  # fmt: skip
+                         tl.sum(t * basis[r], axis=1), mask=edge_live)  # fmt: skip
             if WANT_CB:
-                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, e_mask,
+                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, edge_live,
                                                 n_m0 * n_m0 + i * L + o, RANK)  # fmt: skip
     return cb_acc
 
 
 @triton.jit
 def _adjoint_column(
-    g_local, xv, w_col, gw_col, e_mask,
+    g_local, xv, w_col, gw_col, edge_live,
     l: tl.constexpr, L: tl.constexpr, W_SR: tl.constexpr, GW_SR: tl.constexpr,
 ):  # fmt: skip
     """One packed column j of degree block l (``w_col``/``gw_col`` point at column j of each
     edge's block, ``xv`` is x[s, j, :]): store the Wigner gradients of the column's structural
     entries (rows m' = -1, 0, +1) and return the per-edge node gradient
-    ``Σ_r wigner[e, p(r), j] · g_local[r]`` of that column, (BLOCK_E, BC)."""
+    ``Σ_r wigner[e, p(r), j] · g_local[r]`` of that column, (BLOCK_E, WP)."""
     centre = l * l + l
-    w0 = tl.load(w_col + centre * W_SR, mask=e_mask, other=0.0)
+    w0 = tl.load(w_col + centre * W_SR, mask=edge_live, other=0.0)
     contrib = w0[:, None] * g_local[l]
-    tl.store(gw_col + centre * GW_SR, tl.sum(g_local[l] * xv, axis=1), mask=e_mask)
+    tl.store(gw_col + centre * GW_SR, tl.sum(g_local[l] * xv, axis=1), mask=edge_live)
     if l > 0:
         g_neg = g_local[L + l]
         g_pos = g_local[2 * L + l]
-        w_neg = tl.load(w_col + (centre - 1) * W_SR, mask=e_mask, other=0.0)
-        w_pos = tl.load(w_col + (centre + 1) * W_SR, mask=e_mask, other=0.0)
+        w_neg = tl.load(w_col + (centre - 1) * W_SR, mask=edge_live, other=0.0)
+        w_pos = tl.load(w_col + (centre + 1) * W_SR, mask=edge_live, other=0.0)
         contrib += w_neg[:, None] * g_neg + w_pos[:, None] * g_pos
-        tl.store(gw_col + (centre - 1) * GW_SR, tl.sum(g_neg * xv, axis=1), mask=e_mask)
-        tl.store(gw_col + (centre + 1) * GW_SR, tl.sum(g_pos * xv, axis=1), mask=e_mask)
+        tl.store(gw_col + (centre - 1) * GW_SR, tl.sum(g_neg * xv, axis=1), mask=edge_live)
+        tl.store(gw_col + (centre + 1) * GW_SR, tl.sum(g_pos * xv, axis=1), mask=edge_live)
     return contrib
 
 
 @triton.jit
 def _local_gradient(
-    x_tile, x_mask, w_edge, kc_edge, gkc_edge, gu_tile, e_mask, tile_mask, chan, basis, cb_acc,
-    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, BC: tl.constexpr, RANK: tl.constexpr,
+    x_tile, x_mask, w_edge, kc_edge, gkc_edge, gu_tile, edge_live, tile_mask, cvec, basis, cb_acc,
+    L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr, RANK: tl.constexpr,
     WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr, W_SR: tl.constexpr,
 ):  # fmt: skip
     """Shared per-edge-block body of both schedules: recompute the rotated rows, store the kernel
     gradients (and add the basis gradient to ``cb_acc``), and return ``(g_local, cb_acc)`` with
-    ``g_local`` the 3L+1 reduced-row gradients before the rotation, each (BLOCK_E, BC)."""
-    xr = _rotate_to_local(x_tile, x_mask, w_edge, e_mask, L, BLOCK_E, BC, CW, W_SR)
+    ``g_local`` the 3L+1 reduced-row gradients before the rotation, each (BLOCK_E, WP)."""
+    xr = _rotate_to_local(x_tile, x_mask, w_edge, edge_live, L, BLOCK_E, WP, WD, W_SR)
     gy = ()
     for r in tl.static_range(3 * L + 1):
-        gy = gy + (tl.load(gu_tile + r * CF, mask=tile_mask, other=0.0),)
+        gy = gy + (tl.load(gu_tile + r * FD, mask=tile_mask, other=0.0),)
     if RANK == 0:
-        _store_kernel_grads_by_degree(gy, xr, gkc_edge, chan, tile_mask, L, CW)
+        _store_kernel_grads_by_degree(gy, xr, gkc_edge, cvec, tile_mask, L, WD)
         # The per-degree multiply is diagonal, hence its own adjoint.
-        g_local = _mix_by_degree(gy, kc_edge, chan, tile_mask, L, CW)
+        g_local = _mix_by_degree(gy, kc_edge, cvec, tile_mask, L, WD)
     else:
-        cb_acc = _store_kernel_grads_low_rank(gy, xr, gkc_edge, kc_edge, e_mask, basis, cb_acc,
+        cb_acc = _store_kernel_grads_low_rank(gy, xr, gkc_edge, kc_edge, edge_live, basis, cb_acc,
                                               L, RANK, WANT_CB)  # fmt: skip
-        g_local = _mix_low_rank(gy, kc_edge, e_mask, basis, L, RANK, BLOCK_E, BC, True)
+        g_local = _mix_low_rank(gy, kc_edge, edge_live, basis, L, RANK, BLOCK_E, WP, True)
     return g_local, cb_acc
 
 
 @triton.jit
-def _zero_rows(COUNT: tl.constexpr, BC: tl.constexpr):
-    """A tuple of COUNT (BC,) fp32 zero accumulators."""
+def _zero_rows(COUNT: tl.constexpr, WP: tl.constexpr):
+    """A tuple of COUNT (WP,) fp32 zero accumulators."""
     rows = ()
     for _ in tl.static_range(COUNT):
-        rows = rows + (tl.zeros((BC,), dtype=tl.float32),)
+        rows = rows + (tl.zeros((WP,), dtype=tl.float32),)
     return rows
 
 
 @triton.jit
-def _store_basis_partial(gcb_ptr, program, cb_acc, chan, c_mask, RANK: tl.constexpr,
-                         CW: tl.constexpr):  # fmt: skip
-    """This program's basis-gradient partial into row ``program`` of (P, R, CW)."""
-    gcb_row = gcb_ptr + program * (RANK * CW) + chan
+def _store_basis_partial(gcb_ptr, program, cb_acc, cvec, c_mask, RANK: tl.constexpr,
+                         WD: tl.constexpr):  # fmt: skip
+    """This program's basis-gradient partial into row ``program`` of (P, R, WD)."""
+    gcb_row = gcb_ptr + program * (RANK * WD) + cvec
     for r in tl.static_range(RANK):
-        tl.store(gcb_row + r * CW, cb_acc[r], mask=c_mask)
+        tl.store(gcb_row + r * WD, cb_acc[r], mask=c_mask)
 
 
 @triton.jit
@@ -247,56 +243,56 @@ def _rotate_mix_bwd_kernel(
     gu_ptr, x_ptr, w_ptr, kc_ptr, cb_ptr, order_ptr, rowptr_ptr,
     gx_ptr, gw_ptr, gkc_ptr, gcb_ptr,
     n_edge, x_sn, w_se,
-    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, BC: tl.constexpr,
+    L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr,
     RANK: tl.constexpr, WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr,
     W_SR: tl.constexpr, GW_SR: tl.constexpr,
 ):  # fmt: skip
     """Node variant: one program per node, its source segment BLOCK_E edges per step."""
     DIM: tl.constexpr = (L + 1) * (L + 1)
-    ROW: tl.constexpr = (3 * L + 1) * CF
+    ROW: tl.constexpr = (3 * L + 1) * FD
     node = tl.program_id(0).to(tl.int64)
-    chan = tl.arange(0, BC)
-    c_mask = chan < CW
+    cvec = tl.arange(0, WP)
+    c_mask = cvec < WD
     first = tl.load(rowptr_ptr + node)
     stop = tl.load(rowptr_ptr + node + 1)
-    # Every edge of the segment starts at this node: its feature rows are shared, (1, BC).
-    x_tile = x_ptr + node * x_sn + chan[None, :]
+    # Every edge of the segment starts at this node: its feature rows are shared, (1, WP).
+    x_tile = x_ptr + node * x_sn + cvec[None, :]
     x_mask = c_mask[None, :]
-    gu_chan = ((chan // CF).to(tl.int64) * n_edge * ROW + chan % CF)[None, :]
-    kc_stride: tl.constexpr = _kernel_edge_stride(L, CW, RANK)
-    basis = _load_basis(cb_ptr, chan, c_mask, RANK, CW)
-    gx_acc = _zero_rows(DIM, BC)
-    cb_acc = _zero_rows(RANK if WANT_CB else 0, BC)
+    gu_chan = ((cvec // FD).to(tl.int64) * n_edge * ROW + cvec % FD)[None, :]
+    kc_stride: tl.constexpr = _kernel_edge_stride(L, WD, RANK)
+    basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
+    gx_acc = _zero_rows(DIM, WP)
+    cb_acc = _zero_rows(RANK if WANT_CB else 0, WP)
 
     for k0 in range(first, stop, BLOCK_E):
         pos = k0 + tl.arange(0, BLOCK_E)
-        e_mask = pos < stop
-        edges = tl.load(order_ptr + pos, mask=e_mask, other=0)
-        tile_mask = e_mask[:, None] & c_mask[None, :]
+        edge_live = pos < stop
+        edges = tl.load(order_ptr + pos, mask=edge_live, other=0)
+        tile_mask = edge_live[:, None] & c_mask[None, :]
         w_edge = w_ptr + edges * w_se
         g_local, cb_acc = _local_gradient(
             x_tile, x_mask, w_edge, kc_ptr + edges * kc_stride, gkc_ptr + edges * kc_stride,
-            gu_ptr + gu_chan + (edges * ROW)[:, None], e_mask, tile_mask, chan, basis, cb_acc,
-            L, CF, CW, BC, RANK, WANT_CB, BLOCK_E, W_SR,
+            gu_ptr + gu_chan + (edges * ROW)[:, None], edge_live, tile_mask, cvec, basis, cb_acc,
+            L, FD, WD, WP, RANK, WANT_CB, BLOCK_E, W_SR,
         )  # fmt: skip
         gw_edge = gw_ptr + edges * (GW_SR * GW_SR)
         updated = ()
         for l in tl.static_range(L + 1):
             for j in tl.static_range(2 * l + 1):
-                xv = tl.load(x_tile + (l * l + j) * CW, mask=x_mask, other=0.0)
+                xv = tl.load(x_tile + (l * l + j) * WD, mask=x_mask, other=0.0)
                 contrib = _adjoint_column(
-                    g_local, xv, w_edge + (l * l + j), gw_edge + (l * l + j), e_mask,
+                    g_local, xv, w_edge + (l * l + j), gw_edge + (l * l + j), edge_live,
                     l, L, W_SR, GW_SR,
                 )  # fmt: skip
                 # Indexed by the literal expression: Triton does not fold a named index here.
                 updated = updated + (gx_acc[l * l + j] + tl.sum(contrib, axis=0),)
         gx_acc = updated
 
-    gx_node = gx_ptr + node * (DIM * CW) + chan
+    gx_node = gx_ptr + node * (DIM * WD) + cvec
     for d in tl.static_range(DIM):
-        tl.store(gx_node + d * CW, gx_acc[d], mask=c_mask)
+        tl.store(gx_node + d * WD, gx_acc[d], mask=c_mask)
     if WANT_CB:
-        _store_basis_partial(gcb_ptr, node, cb_acc, chan, c_mask, RANK, CW)
+        _store_basis_partial(gcb_ptr, node, cb_acc, cvec, c_mask, RANK, WD)
 
 
 @triton.jit
@@ -304,47 +300,45 @@ def _rotate_mix_bwd_edge_kernel(
     gu_ptr, x_ptr, src_ptr, w_ptr, kc_ptr, cb_ptr,
     gxe_ptr, gw_ptr, gkc_ptr, gcb_ptr,
     n_edge, x_sn, w_se,
-    L: tl.constexpr, CF: tl.constexpr, CW: tl.constexpr, BC: tl.constexpr,
+    L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr,
     RANK: tl.constexpr, WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr,
     W_SR: tl.constexpr, GW_SR: tl.constexpr,
 ):  # fmt: skip
     """Edge variant: one program per BLOCK_E consecutive edges; the node gradient is written per
-    edge into ``gxe`` (E, D, CW) for the CSR segment sum."""
+    edge into ``gxe`` (E, D, WD) for the CSR segment sum."""
     DIM: tl.constexpr = (L + 1) * (L + 1)
-    ROW: tl.constexpr = (3 * L + 1) * CF
+    ROW: tl.constexpr = (3 * L + 1) * FD
     program = tl.program_id(0).to(tl.int64)
     edges = program * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_mask = edges < n_edge
-    chan = tl.arange(0, BC)
-    c_mask = chan < CW
-    tile_mask = e_mask[:, None] & c_mask[None, :]
-    src = tl.load(src_ptr + edges, mask=e_mask, other=0).to(tl.int64)
-    x_tile = x_ptr + (src * x_sn)[:, None] + chan[None, :]
-    gu_chan = ((chan // CF).to(tl.int64) * n_edge * ROW + chan % CF)[None, :]
-    kc_stride: tl.constexpr = _kernel_edge_stride(L, CW, RANK)
-    basis = _load_basis(cb_ptr, chan, c_mask, RANK, CW)
-    cb_acc = _zero_rows(RANK if WANT_CB else 0, BC)
+    edge_live = edges < n_edge
+    cvec = tl.arange(0, WP)
+    c_mask = cvec < WD
+    tile_mask = edge_live[:, None] & c_mask[None, :]
+    src = tl.load(src_ptr + edges, mask=edge_live, other=0).to(tl.int64)
+    x_tile = x_ptr + (src * x_sn)[:, None] + cvec[None, :]
+    gu_chan = ((cvec // FD).to(tl.int64) * n_edge * ROW + cvec % FD)[None, :]
+    kc_stride: tl.constexpr = _kernel_edge_stride(L, WD, RANK)
+    basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
+    cb_acc = _zero_rows(RANK if WANT_CB else 0, WP)
     w_edge = w_ptr + edges * w_se
     g_local, cb_acc = _local_gradient(
         x_tile, tile_mask, w_edge, kc_ptr + edges * kc_stride, gkc_ptr + edges * kc_stride,
-        gu_ptr + gu_chan + (edges * ROW)[:, None], e_mask, tile_mask, chan, basis, cb_acc,
-        L, CF, CW, BC, RANK, WANT_CB, BLOCK_E, W_SR,
+        gu_ptr + gu_chan + (edges * ROW)[:, None], edge_live, tile_mask, cvec, basis, cb_acc,
+        L, FD, WD, WP, RANK, WANT_CB, BLOCK_E, W_SR,
     )  # fmt: skip
     gw_edge = gw_ptr + edges * (GW_SR * GW_SR)
-    gxe_tile = gxe_ptr + (edges * (DIM * CW))[:, None] + chan[None, :]
+    gxe_tile = gxe_ptr + (edges * (DIM * WD))[:, None] + cvec[None, :]
     for l in tl.static_range(L + 1):
         for j in tl.static_range(2 * l + 1):
-            xv = tl.load(x_tile + (l * l + j) * CW, mask=tile_mask, other=0.0)
+            xv = tl.load(x_tile + (l * l + j) * WD, mask=tile_mask, other=0.0)
             contrib = _adjoint_column(g_local, xv, w_edge + (l * l + j), gw_edge + (l * l + j),
-                                      e_mask, l, L, W_SR, GW_SR)  # fmt: skip
-            tl.store(gxe_tile + (l * l + j) * CW, contrib, mask=tile_mask)
+                                      edge_live, l, L, W_SR, GW_SR)  # fmt: skip
+            tl.store(gxe_tile + (l * l + j) * WD, contrib, mask=tile_mask)
     if WANT_CB:
-        _store_basis_partial(gcb_ptr, program, cb_acc, chan, c_mask, RANK, CW)
+        _store_basis_partial(gcb_ptr, program, cb_acc, cvec, c_mask, RANK, WD)
 
 
-# ---------------------------------------------------------------------------------------------
 # Launcher
-# ---------------------------------------------------------------------------------------------
 
 
 def launch_rotate_mix_bwd(
@@ -379,7 +373,7 @@ def launch_rotate_mix_bwd(
     if n_programs > 0:
         x, wigner, kc, cb = kernel_operands(x, wigner, kc, cb)
         consts: dict[str, Any] = {
-            "L": lmax, "CF": c_wide // n_focus, "CW": c_wide, "BC": triton.next_power_of_2(c_wide),
+            "L": lmax, "FD": c_wide // n_focus, "WD": c_wide, "WP": triton.next_power_of_2(c_wide),
             "RANK": rank, "WANT_CB": want_cb, "BLOCK_E": tiles.block_e,
             "W_SR": wigner.stride(1), "GW_SR": grad_wigner.shape[2], "num_warps": tiles.num_warps,
         }  # fmt: skip
@@ -406,9 +400,7 @@ def launch_rotate_mix_bwd(
     return grad_x, grad_wigner, grad_kc, grad_cb
 
 
-# ---------------------------------------------------------------------------------------------
 # Op registration: the backward op, its second order, and the forward op's autograd.
-# ---------------------------------------------------------------------------------------------
 
 
 def _check_grad_u(grad_u: Tensor, x: Tensor, src: Tensor, lmax: int, n_focus: int) -> None:

@@ -298,7 +298,7 @@ class Engine:
             self._withdraw(job)
             raise
 
-    # -- admission -----------------------------------------------------------------------------
+    # admission
 
     def _admit(self, structures: Structures, properties: frozenset[str]) -> _Job:
         if not self.running:
@@ -377,7 +377,7 @@ class Engine:
             self._queued_edges -= edges
             self._metrics.queue_depth.set(len(self._queue))
 
-    # -- scheduling ----------------------------------------------------------------------------
+    # scheduling
 
     def _require_executor(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -479,7 +479,7 @@ class Engine:
         m.structures.inc(n_structures)
         m.atom_steps.inc(batch.n_atoms)
 
-    # -- results -------------------------------------------------------------------------------
+    # results
 
     def _deliver(self, batch: _Batch, output: BatchOutput) -> None:
         m = self._metrics

@@ -87,7 +87,7 @@ class Structures:
     pbc: Tensor
     ptr: Tensor
 
-    # -- construction ---------------------------------------------------------------------------
+    # construction
     @classmethod
     def from_arrays(
         cls,
@@ -195,7 +195,7 @@ class Structures:
             ptr=self.ptr.to(device),
         )
 
-    # -- derived quantities ---------------------------------------------------------------------
+    # derived quantities
     @property
     def n_structures(self) -> int:
         return int(self.ptr.numel()) - 1
@@ -225,7 +225,7 @@ class Structures:
         det: Tensor = torch.linalg.det(self.cells)
         return det.abs()
 
-    # -- splitting results back -----------------------------------------------------------------
+    # splitting results back
     def split(self, per_atom: Tensor) -> list[Tensor]:
         """Split an (N, ...) per-atom tensor into one (n_b, ...) tensor per structure."""
         if per_atom.shape[0] != self.n_atoms:
@@ -238,7 +238,7 @@ class Structures:
             raise ValueError(f"expected {self.n_structures} rows, got {per_structure.shape[0]}")
         return list(per_structure.unbind(0))
 
-    # -- checks that need the whole batch -------------------------------------------------------
+    # checks that need the whole batch
     def check_coincident(
         self, min_distance: float = COINCIDENT_DISTANCE, *, field_prefix: str = "structures"
     ) -> None:
@@ -269,7 +269,7 @@ class Structures:
         )
 
 
-# -- per-structure validation (numpy, host) --------------------------------------------------------
+# per-structure validation (numpy, host)
 def _validate_numbers(raw: object, field: str, index: int) -> NDArray[np.int64]:
     name = f"{field}.numbers"
     try:
@@ -456,7 +456,7 @@ def _gram_base(rows: NDArray[np.float64]) -> float:
     return float(np.sqrt(np.linalg.det(rows @ rows.T))) if len(rows) else 1.0
 
 
-# -- coincident atoms (numpy, host) ---------------------------------------------------------------
+# coincident atoms (numpy, host)
 @dataclass(frozen=True)
 class CoincidentPair:
     """Atoms ``first`` and ``second`` (batch indices) of ``structure`` are ``distance`` Å apart

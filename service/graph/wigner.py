@@ -51,7 +51,7 @@ _L1_SIGNS = (-1.0, -1.0, 1.0)
 """... with these signs: the coefficient vector of u is (−u_y, −u_z, u_x)."""
 
 
-# -- edge frame -----------------------------------------------------------------------------------
+# edge frame
 def _normalize_or_zero(v: Tensor) -> Tensor:
     """Rows of ``v`` scaled to unit length; rows of (near-)zero length become 0 with zero
     gradient instead of NaN (such rows are always multiplied by a blend weight of exactly 0)."""
@@ -109,7 +109,7 @@ def l1_block(rotation: Tensor) -> Tensor:
     return rotation[:, axes][:, :, axes] * (signs[:, None] * signs[None, :])
 
 
-# -- exact polynomial tables --------------------------------------------------------------------
+# exact polynomial tables
 def _binomial_series(power: int, unit: complex) -> NDArray[np.complex128]:
     """Coefficients over k of ``(s + unit·t)^power = Σ_k C(power, k) unit^k s^{power−k} t^k``."""
     return np.array([math.comb(power, k) * unit**k for k in range(power + 1)])
@@ -204,7 +204,7 @@ def _block_positions(lmax: int, device: torch.device) -> Tensor:
     return torch.from_numpy(np.concatenate(index)).to(device)
 
 
-# -- evaluation -----------------------------------------------------------------------------------
+# evaluation
 def _monomials(powers: Tensor, exponents: Tensor) -> Tensor:
     """(E, n) products ``Π_c q_c^{k_c}`` from per-component powers (4, E, degree+1)."""
     out = powers[0].index_select(1, exponents[:, 0])

@@ -312,7 +312,7 @@ class Trainer:
         self._running_loss = 0.0
         self._running_steps = 0
 
-    # -- schedule ----------------------------------------------------------------------------
+    # schedule
     def progress(self) -> float:
         run = self.config.run
         by_steps = self.step / run.steps
@@ -326,7 +326,7 @@ class Trainer:
     def evaluated_weights(self) -> DPA4Model:
         return self.ema.module if self.config.optim.ema_decay > 0.0 else self.model
 
-    # -- one optimisation step ---------------------------------------------------------------
+    # one optimisation step
     def train_step(self) -> float:
         progress = self.progress()
         lr = learning_rate(progress, self.config.optim)
@@ -353,7 +353,7 @@ class Trainer:
         self._running_steps += 1
         return value
 
-    # -- validation --------------------------------------------------------------------------
+    # validation
     def validate(self) -> dict[str, float]:
         """Validate the EMA weights; track the best. Returns the log row's ``val_*`` fields."""
         if len(self.data.validation) == 0:
@@ -395,7 +395,7 @@ class Trainer:
         self._running_steps = 0
         return row
 
-    # -- checkpoint --------------------------------------------------------------------------
+    # checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {
             "config": json.dumps(self.config.to_dict(), sort_keys=True),

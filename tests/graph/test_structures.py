@@ -162,7 +162,7 @@ def test_validation_is_fast() -> None:
     assert time.perf_counter() - start < 0.25  # ~3 ms on one core; generous for loaded CI
 
 
-# -- coincident atoms: the host search against the cell-list search of the graph layer ------------
+# coincident atoms: the host search against the cell-list search of the graph layer
 D = 1e-4
 
 

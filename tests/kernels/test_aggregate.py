@@ -212,7 +212,7 @@ def compile_all_for_sm90() -> int:
     for lmax, c_wide, n_focus, n_groups in regimes:
         focus_dim, dp = c_wide // n_focus, triton.next_power_of_2((lmax + 1) ** 2)
         lanes = triton.next_power_of_2(c_wide)
-        shared = {"L": lmax, "CF": focus_dim, "CW": c_wide, "GW": c_wide // n_groups, "DP": dp}
+        shared = {"L": lmax, "FD": focus_dim, "WD": c_wide, "GW": c_wide // n_groups, "DP": dp}
         kernels = [
             (
                 aggregate._aggregate_fwd_kernel,
@@ -229,7 +229,7 @@ def compile_all_for_sm90() -> int:
                     **shared,
                     "G": n_groups,
                     "GP": triton.next_power_of_2(n_groups),
-                    "BC": lanes,
+                    "WP": lanes,
                     "BLOCK_E": 1,
                 },
                 aggregate._num_warps(dp, lanes),

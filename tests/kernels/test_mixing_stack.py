@@ -284,7 +284,7 @@ def compile_all_for_sm90(fast: bool) -> int:
         signature.update(_COMMON_SIG)
         for flags in _KERNEL_FLAGS[kernel_name]:
             consts = {
-                "L": 2, "CF": 96, "FAST": fast, **flags,
+                "L": 2, "FD": 96, "FAST": fast, **flags,
                 "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             }  # fmt: skip
             source = ASTSource(

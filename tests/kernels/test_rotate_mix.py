@@ -356,9 +356,7 @@ def test_fused_path_refuses_other_dtypes_and_regimes() -> None:
         rotate_mix(*make_operands(Case(2, 2, 16, 1)).args())
 
 
-# ---------------------------------------------------------------------------------------------
 # Edge-parallel backward variant (selected through the tile table's "variant")
-# ---------------------------------------------------------------------------------------------
 
 EDGE_TILES = LaunchTiles(block_e=4, num_warps=4, variant="edge")
 
@@ -461,7 +459,7 @@ def compile_backward_kernels_for_sm90() -> int:
     index_operands = {"src_ptr", "order_ptr", "rowptr_ptr"}
     node_pointers = ["gu", "x", "w", "kc", "cb", "order", "rowptr", "gx", "gw", "gkc", "gcb"]
     edge_pointers = ["gu", "x", "src", "w", "kc", "cb", "gxe", "gw", "gkc", "gcb"]
-    consts = {"L": 2, "CF": 128, "CW": 128, "BC": 128, "RANK": 1, "WANT_CB": True, "W_SR": 9,
+    consts = {"L": 2, "FD": 128, "WD": 128, "WP": 128, "RANK": 1, "WANT_CB": True, "W_SR": 9,
               "GW_SR": 9}  # fmt: skip
     variants = [(bwd._rotate_mix_bwd_kernel, node_pointers, 1),
                 (bwd._rotate_mix_bwd_edge_kernel, edge_pointers, 4)]  # fmt: skip
@@ -494,9 +492,7 @@ def test_backward_kernels_compile_for_sm90() -> None:
     assert int(result.stdout.split()[-1]) == 2
 
 
-# ---------------------------------------------------------------------------------------------
 # GPU: realistic sizes (run by the lead on the H200)
-# ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
