@@ -78,3 +78,40 @@ def check_regime(op: str, lmax: int, focus_dim: int) -> None:
         raise ValueError(
             f"so2kernels.{op}: focus_dim must be one of {SUPPORTED_FOCUS_DIMS}, got {focus_dim}"
         )
+
+
+def edge_major_to_channel_rows(x_local: torch.Tensor, lmax: int) -> torch.Tensor:
+    """``(E, F, ROW)`` → ``(E, 3L+1, C_wide)`` with the wide channel ``c = f·Cf + cf``."""
+    n_edge, n_focus, row = x_local.shape
+    red = n_reduced(lmax)
+    return (
+        x_local.reshape(n_edge, n_focus, red, row // red)
+        .permute(0, 2, 1, 3)
+        .reshape(n_edge, red, n_focus * (row // red))
+    )
+
+
+def channel_rows_to_edge_major(rows: torch.Tensor, n_focus: int) -> torch.Tensor:
+    """``(E, 3L+1, C_wide)`` → ``(E, F, ROW)``; inverse of :func:`edge_major_to_channel_rows`."""
+    n_edge, red, c_wide = rows.shape
+    focus_dim = c_wide // n_focus
+    return (
+        rows.reshape(n_edge, red, n_focus, focus_dim)
+        .permute(0, 2, 1, 3)
+        .reshape(n_edge, n_focus, red * focus_dim)
+    )
+
+
+@cache
+def _rotate_back_rescale_values(lmax: int) -> tuple[float, ...]:
+    # mmax = 1: rows of degree l > 1 are scaled by √((2l+1)/3) after rotating back.
+    return tuple(
+        max(1.0, ((2 * l + 1) / 3.0) ** 0.5) for l in range(lmax + 1) for _ in range(2 * l + 1)
+    )
+
+
+def rotate_back_rescale(
+    lmax: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``(D,)`` inverse-rotation rescale of every packed row (1 for l ≤ 1)."""
+    return torch.tensor(_rotate_back_rescale_values(lmax), device=device, dtype=dtype)

@@ -50,7 +50,15 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from so2kernels._dispatch import UnsupportedInputError, require_fp32, use_triton
-from so2kernels._layout import SUPPORTED_LMAX, n_coeff, n_reduced, reduced_to_packed_tensor
+from so2kernels._layout import (
+    SUPPORTED_LMAX,
+    channel_rows_to_edge_major,
+    edge_major_to_channel_rows,
+    n_coeff,
+    n_reduced,
+    reduced_to_packed_tensor,
+    rotate_back_rescale,
+)
 from so2kernels.rotate_mix import structure_mask, wigner_reduced_rows
 
 __all__ = [
@@ -128,46 +136,12 @@ def _check_grad_out(grad_out: Tensor, x_local: Tensor, dst_rowptr: Tensor, lmax:
 
 
 @cache
-def _rescale_values(lmax: int) -> tuple[float, ...]:
-    """Per packed row: √((2l+1)/3) for l > 1, else 1 (mmax = 1 inverse-rotation rescale)."""
-    return tuple(
-        max(1.0, ((2 * l + 1) / 3.0) ** 0.5) for l in range(lmax + 1) for _ in range(2 * l + 1)
-    )
-
-
-def rotate_back_rescale(lmax: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """(D,) rescale of every packed output row."""
-    return torch.tensor(_rescale_values(lmax), device=device, dtype=dtype)
-
-
 def dst_of_edges(dst_rowptr: Tensor, n_edge: int) -> Tensor:
     """(E,) destination node of every edge from the CSR offsets (no host sync)."""
     n_node = dst_rowptr.shape[0] - 1
     counts = dst_rowptr[1:] - dst_rowptr[:-1]
     nodes = torch.arange(n_node, device=dst_rowptr.device, dtype=torch.int64)
     return torch.repeat_interleave(nodes, counts, output_size=n_edge)
-
-
-def _rows_channel_major(x_local: Tensor, lmax: int) -> Tensor:
-    """(E, F, ROW) → (E, 3L+1, C_wide) with ``c = f·Cf + cf``."""
-    n_edge, n_focus, row = x_local.shape
-    red = n_reduced(lmax)
-    return (
-        x_local.reshape(n_edge, n_focus, red, row // red)
-        .permute(0, 2, 1, 3)
-        .reshape(n_edge, red, n_focus * (row // red))
-    )
-
-
-def _rows_focus_major(rows: Tensor, n_focus: int) -> Tensor:
-    """(E, 3L+1, C_wide) → (E, F, ROW), the inverse of :func:`_rows_channel_major`."""
-    n_edge, red, c_wide = rows.shape
-    focus_dim = c_wide // n_focus
-    return (
-        rows.reshape(n_edge, red, n_focus, focus_dim)
-        .permute(0, 2, 1, 3)
-        .reshape(n_edge, n_focus, red * focus_dim)
-    )
 
 
 def _channel_weights(weights: Tensor, c_wide: int) -> Tensor:
@@ -181,7 +155,7 @@ def attention_aggregate_reference(
     """Ground truth of ``so2_attention_aggregate``: (N, D, C_wide). Materialises the messages."""
     check_aggregate_inputs(x_local, wigner, weights, dst_rowptr, lmax)
     n_edge = x_local.shape[0]
-    rows = _rows_channel_major(x_local, lmax)
+    rows = edge_major_to_channel_rows(x_local, lmax)
     weighted = rows * _channel_weights(weights, rows.shape[2])[:, None, :]
     d_rows = wigner_reduced_rows(wigner, lmax)  # (E, 3L+1, D)
     scale = rotate_back_rescale(lmax, x_local.device, x_local.dtype)
@@ -211,11 +185,11 @@ def attention_aggregate_backward_reference(
     scale = rotate_back_rescale(lmax, x_local.device, x_local.dtype)
     g_edge = (grad_out * scale[:, None]).index_select(0, dst_of_edges(dst_rowptr, n_edge))
     d_rows = wigner_reduced_rows(wigner, lmax)  # (E, 3L+1, D), structural zeros applied
-    rows = _rows_channel_major(x_local, lmax)
+    rows = edge_major_to_channel_rows(x_local, lmax)
     c_wide = rows.shape[2]
     w_chan = _channel_weights(weights, c_wide)
     g_local = torch.bmm(d_rows, g_edge)  # (E, 3L+1, C_wide)
-    grad_x = _rows_focus_major(g_local * w_chan[:, None, :], n_focus)
+    grad_x = channel_rows_to_edge_major(g_local * w_chan[:, None, :], n_focus)
     n_group = weights.shape[1]
     grad_weights = (g_local * rows).sum(1).reshape(n_edge, n_group, c_wide // n_group).sum(2)
     grad_rows = torch.bmm(rows * w_chan[:, None, :], g_edge.transpose(1, 2))  # (E, 3L+1, D)

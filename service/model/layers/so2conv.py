@@ -49,9 +49,13 @@ from torch.utils.checkpoint import checkpoint
 from service.model.config import ModelConfig
 from service.model.layers.edge_chunks import EdgeChunk, whole_graph
 from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
-from service.model.layers.linear import DegreeLinear, FocusLinear, degree_of_packed_rows
+from service.model.layers.linear import DegreeLinear, FocusLinear
 from service.model.layers.norms import ScalarRMSNorm, unit_rms
-from so2kernels._layout import n_kernel_slots, n_reduced
+from so2kernels._layout import (
+    edge_major_to_channel_rows,
+    n_kernel_slots,
+    rotate_back_rescale,
+)
 from so2kernels.aggregate import attention_aggregate
 from so2kernels.rotate_mix import wigner_reduced_rows
 from so2kernels.segment import segment_broadcast, segment_sum
@@ -223,8 +227,7 @@ class SO2Convolution(nn.Module):
         )
         self.compete_weight = nn.Parameter(torch.randn(cf, nf) * 0.01) if nf > 1 else None
         self.attention = Attention(cfg) if cfg.n_atten_head > 0 else None
-        rescale = torch.sqrt((2 * degree_of_packed_rows(lmax) + 1).clamp(min=3) / 3.0)
-        self.register_buffer("rotate_back_rescale", rescale.float(), persistent=False)
+        self.register_buffer("rotate_back_rescale", rotate_back_rescale(lmax), persistent=False)
         self._packed_cache: tuple[tuple[object, ...], PackedStack] | None = None
 
     # ------------------------------------------------------------------ weights in op layout
@@ -277,9 +280,7 @@ class SO2Convolution(nn.Module):
 
     def rotate_back(self, x_local: Tensor, wigner: Tensor) -> Tensor:
         """``x_local (E, F, ROW)`` → global ``(E, (L+1)², C_wide)`` with the l > 1 rescale."""
-        n_edges = x_local.shape[0]
-        rows = x_local.view(n_edges, self.n_focus, n_reduced(self.lmax), self.focus_dim)
-        rows = rows.permute(0, 2, 1, 3).reshape(n_edges, n_reduced(self.lmax), self.hidden)
+        rows = edge_major_to_channel_rows(x_local, self.lmax)
         # Structural rows only, as the fused ops read them: off-block entries get no gradient.
         d_rows = wigner_reduced_rows(wigner, self.lmax)  # (E, Dm, D)
         message = torch.bmm(d_rows.transpose(1, 2), rows)
