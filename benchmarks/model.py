@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from service.graph.structures import StructureArrays, Structures  # noqa: E402
+from service.model.captured import CAPTURE_MAX_ATOMS  # noqa: E402
 from service.model.config import ModelConfig, preset  # noqa: E402
 from service.model.potential import MEMORY_MODES, Potential, load_potential  # noqa: E402
 from tests.model.randomized import randomized_model  # noqa: E402
@@ -203,16 +204,19 @@ def run_case(
 ) -> dict[str, Any]:  # fmt: skip
     cfg = CONFIGS[cfg_name]()
     model = randomized_model(cfg)
+    base = path.removesuffix("-eager")
     pot = Potential(
-        model, device="cuda", path="fused" if path == "fused" else "reference", memory=memory
-    )
-    structures = water_box(n_atoms).to(pot.device)
+        model, device="cuda", path="fused" if base == "fused" else "reference", memory=memory,
+        capture=False if base != path or base == "compiled" else None,
+    )  # fmt: skip
+    structures = water_box(n_atoms)  # on the host, as a request arrives
     if path == "compiled":
         pot.model = torch.compile(pot.model, dynamic=True)  # type: ignore[assignment]
     row: dict[str, Any] = {
         "config": cfg_name,
         "n_atoms": int(structures.n_atoms),
         "path": path,
+        "cuda_graphs": pot._captured is not None and n_atoms < CAPTURE_MAX_ATOMS,
         "memory": memory,
         "properties": list(props),
     }
@@ -350,8 +354,11 @@ def main() -> None:
     parser.add_argument(
         "--cases", nargs="+", default=["bar:192,1536,12288", "small:192,12288", "medium:192,12288"]
     )
-    parser.add_argument("--paths", nargs="+", default=["fused", "reference", "compiled"],
-                        choices=["fused", "reference", "compiled"])  # fmt: skip
+    parser.add_argument(
+        "--paths", nargs="+", default=["fused", "fused-eager", "reference", "compiled"],
+        choices=["fused", "fused-eager", "reference", "reference-eager", "compiled"],
+        help="'-eager' variants run without CUDA-graph replay of small steps",
+    )  # fmt: skip
     parser.add_argument("--compile-configs", nargs="*", default=["bar"])
     parser.add_argument("--compile-max-atoms", type=int, default=1536)
     parser.add_argument("--memory", nargs="+", default=["fast"], choices=list(MEMORY_MODES))

@@ -6,6 +6,10 @@
     → E per structure (float64) → one autograd.grad(E, edge_vec) → forces, virial (CSR sums)
     → stress = −sym(W)/V
 
+Small batches on CUDA (below ``CAPTURE_MAX_ATOMS``) build their neighbour list on the host and
+replay a CUDA graph of everything after it (:mod:`service.model.captured`): one launch instead of
+~1,400. ``capture=False`` turns that off (training always runs eagerly).
+
 Each phase runs under a ``so2serve::<phase>`` profiler range (graph, edge_cache, model, backward,
 assembly; free when no profiler is active), so benchmarks/model.py --profile can split a step.
 
@@ -17,6 +21,7 @@ precision are decided here, once, and reported in :class:`ExecutionInfo`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +37,7 @@ from service.graph.edge_cache import build_edge_cache
 from service.graph.errors import InvalidStructureError
 from service.graph.neighbors import build_graph, edge_vectors
 from service.graph.structures import Structures
+from service.model.captured import CapturedSteps, StepInputs, StepOutputs
 from service.model.config import ModelConfig
 from service.model.dpa4 import DPA4Model
 from service.model.errors import ModelFileError
@@ -164,6 +170,7 @@ class Potential:
         precision: str = "fp32",
         metadata: PotentialMetadata | None = None,
         memory: str = "auto",
+        capture: bool | None = None,
     ):
         if memory not in MEMORY_MODES:
             raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
@@ -183,6 +190,13 @@ class Potential:
             name="in-memory", sha256="", elements=cfg.type_map, rcut=cfg.rcut, config=cfg
         )
         self._types_of_number = _type_lookup(cfg.type_map)
+        if capture is None:
+            capture = self.device.type == "cuda"
+        if capture and self.device.type != "cuda":
+            raise ValueError("capture=True needs a CUDA device (CUDA graphs)")
+        self._captured = (
+            CapturedSteps(self.model, self._step, cfg.rcut, self.device) if capture else None
+        )
 
     @property
     def config(self) -> ModelConfig:
@@ -222,13 +236,75 @@ class Potential:
                 f"unknown properties {sorted(unknown)}; choose from {sorted(PROPERTIES)}"
             )
         cfg = self.config
-        types = self.atom_types(structures).to(self.device)
-        structures = structures.to(self.device)
+        types = self.atom_types(structures)
+        want_grad = bool({"forces", "virial", "stress"} & set(properties))
+        captured = self._captured if want_grad and not create_graph else None
+        if captured is not None and captured.accepts(structures.n_atoms, 0):
+            # Small batch: neighbour list on the host, padded there, one graph replay.
+            structures = structures.to("cpu")
+        else:
+            captured = None
+            structures = structures.to(self.device)
         with record_function("so2serve::graph"):
             graph = build_graph(structures, cfg.rcut)
-        want_grad = bool({"forces", "virial", "stress"} & set(properties))
+        inputs = StepInputs(graph, structures.positions, structures.cells, types)
+        edge_chunk = edge_chunk_for(
+            self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph
+        )
+        if (
+            captured is not None
+            and edge_chunk is None
+            and captured.accepts(graph.n_atoms, graph.n_edges)
+        ):
+            out = self._replay_or_eager(captured, inputs)
+        else:
+            out = self._step(
+                inputs.to(self.device), want_grad=want_grad, create_graph=create_graph,
+                edge_chunk=edge_chunk,
+            )  # fmt: skip
+        result = Prediction(energy=out.energy)
+        if "energies" in properties:
+            result.energies = out.atom_energy
+        if "forces" in properties:
+            result.forces = out.forces
+        if "virial" in properties or "stress" in properties:
+            result.virial = out.virial
+        if "stress" in properties:
+            result.stress = stress_from_virial(
+                out.virial, structures.cells.to(self.device), structures.pbc.to(self.device)
+            )
+        return result
+
+    def _replay_or_eager(self, captured: CapturedSteps, inputs: StepInputs) -> StepOutputs:
+        """Replay; if capturing fails (an op that cannot be recorded), warn once, turn replay
+        off for this potential and evaluate eagerly: a request never fails for an optimisation."""
+        try:
+            return captured.run(inputs)
+        except RuntimeError as exc:
+            warnings.warn(
+                f"CUDA-graph capture failed ({exc}); evaluating without graphs from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._captured = None
+            torch.cuda.synchronize(self.device)
+            return self._step(inputs.to(self.device))
+
+    def _step(
+        self,
+        inputs: StepInputs,
+        *,
+        want_grad: bool = True,
+        create_graph: bool = False,
+        edge_chunk: int | None = None,
+    ) -> StepOutputs:
+        """The device part of one evaluation (also what :class:`CapturedSteps` records):
+        edge vectors → edge cache → model → energies → ∂E/∂r → forces and virials.
+        Without ``want_grad`` (no force-like property asked for) forces and virial are empty."""
+        cfg = self.config
+        graph = inputs.graph
         with torch.enable_grad() if (want_grad or create_graph) else torch.no_grad():
-            vec = edge_vectors(graph, structures.positions, structures.cells)
+            vec = edge_vectors(graph, inputs.positions, inputs.cells)
             edge_vec = vec.detach().requires_grad_(want_grad)
             with record_function("so2serve::edge_cache"):
                 cache = build_edge_cache(
@@ -236,23 +312,17 @@ class Potential:
                     env_exponents=cfg.env_exponents, deg_floor=cfg.degree_norm_floor,
                     eps=cfg.eps, dtype=self.dtype,
                 )  # fmt: skip
-            edge_chunk = edge_chunk_for(
-                self.execution.memory, cfg, int(graph.src.shape[0]), self.device,
-                create_graph=create_graph,
-            )  # fmt: skip
             with record_function("so2serve::model"):
                 atom_energy = self.model(
-                    types, cache, fused=self.execution.path == "fused",
+                    inputs.types, cache, fused=self.execution.path == "fused",
                     live_weights=create_graph, edge_chunk=edge_chunk,
                 )  # fmt: skip
-            energy = atom_energy.new_zeros(structures.n_structures).index_add(
-                0, structures.atom_batch, atom_energy
+            energy = atom_energy.new_zeros(graph.n_structures).index_add(
+                0, graph.atom_batch, atom_energy
             )
-            result = Prediction(energy=energy if create_graph else energy.detach())
-            if "energies" in properties:
-                result.energies = atom_energy if create_graph else atom_energy.detach()
             if not want_grad:
-                return result
+                empty = energy.new_zeros(0)
+                return StepOutputs(energy.detach(), atom_energy.detach(), empty, empty)
             with record_function("so2serve::backward"):
                 (edge_grad,) = torch.autograd.grad(
                     energy.sum(), edge_vec, create_graph=create_graph, allow_unused=True
@@ -263,13 +333,11 @@ class Potential:
                 assembled = assemble_forces_virial(
                     graph, edge_grad.double(), edge_vec.detach().double(), atom_virial=False
                 )
-        if "forces" in properties:
-            result.forces = assembled.forces
-        if "virial" in properties or "stress" in properties:
-            result.virial = assembled.virial
-        if "stress" in properties:
-            result.stress = stress_from_virial(assembled.virial, structures.cells, structures.pbc)
-        return result
+        if create_graph:
+            return StepOutputs(energy, atom_energy, assembled.forces, assembled.virial)
+        return StepOutputs(
+            energy.detach(), atom_energy.detach(), assembled.forces, assembled.virial
+        )
 
     def info(self) -> dict[str, Any]:
         """JSON-ready description of the served model and how it runs."""
@@ -287,6 +355,7 @@ class Potential:
                 "precision": self.execution.precision,
                 "device": self.execution.device,
                 "memory": self.execution.memory,
+                "cuda_graphs": self._captured is not None,
             },
         }
 
@@ -303,6 +372,7 @@ def load_potential(
     path: str = "auto",
     precision: str = "fp32",
     memory: str = "auto",
+    capture: bool | None = None,
 ) -> Potential:
     """Load a model file (``None`` = the shipped default) into a :class:`Potential`."""
     from service.model.io import load_model
@@ -321,5 +391,6 @@ def load_potential(
         provenance=dict(doc.get("provenance", {})),
     )
     return Potential(
-        net, device=device, path=path, precision=precision, metadata=meta, memory=memory
-    )
+        net, device=device, path=path, precision=precision, metadata=meta, memory=memory,
+        capture=capture,
+    )  # fmt: skip

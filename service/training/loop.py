@@ -200,7 +200,7 @@ def initialize_energy_bias(
     bias = model.get_buffer("energy_bias")
     with torch.no_grad():
         bias.copy_(torch.tensor([reference.get(s, 0.0) for s in model_types]))
-    potential = Potential(model, device=device, path=path)
+    potential = Potential(model, device=device, path=path, capture=False)
     # Potential moved the model: take the buffer again, the one fetched above may be a stale copy.
     bias = model.get_buffer("energy_bias")
     totals = torch.zeros(len(model_types), dtype=torch.float64, device=potential.device)
@@ -306,8 +306,12 @@ class Trainer:
         self.step = 0
         self.elapsed_s = 0.0
         self.best = _Best()
-        self.potential = Potential(self.model, device=self.device, path=config.run.path)
-        self.ema_potential = Potential(self.ema.module, device=self.device, path=config.run.path)
+        self.potential = Potential(
+            self.model, device=self.device, path=config.run.path, capture=False
+        )
+        self.ema_potential = Potential(
+            self.ema.module, device=self.device, path=config.run.path, capture=False
+        )
         self._running = PropertyErrors()
         self._running_loss = 0.0
         self._running_steps = 0
@@ -499,7 +503,7 @@ def choose_training_path(trainer: Trainer, *, rtol: float = 1e-3) -> str:
         return trainer.potential.execution.path
     batch = collate([trainer.data.train[i] for i in range(min(len(trainer.data.train), 2))])
     batch = batch.to(trainer.device)
-    reference = Potential(trainer.model, device=trainer.device, path="reference")
+    reference = Potential(trainer.model, device=trainer.device, path="reference", capture=False)
     ref_grad, _ = force_loss_gradients(reference, trainer.model, batch, trainer.properties)
     _, ref_seconds = force_loss_gradients(reference, trainer.model, batch, trainer.properties)
     reason = ""
@@ -528,7 +532,9 @@ def choose_training_path(trainer: Trainer, *, rtol: float = 1e-3) -> str:
         return "fused"
     log.warning("training on the reference path: the fused path was rejected because %s", reason)
     trainer.potential = reference
-    trainer.ema_potential = Potential(trainer.ema.module, device=trainer.device, path="reference")
+    trainer.ema_potential = Potential(
+        trainer.ema.module, device=trainer.device, path="reference", capture=False
+    )
     return "reference"
 
 

@@ -1,0 +1,222 @@
+"""CUDA-graph replay of the energy+force step for small batches.
+
+A 192-atom step launches ~1,400 kernels that each run for microseconds: eager execution is bound
+by the host (Python, dispatcher, launches), not by the GPU. Below :data:`CAPTURE_MAX_ATOMS` atoms
+:class:`CapturedSteps` therefore records the whole device part of one step once per *shape
+bucket* — edge vectors → edge cache → model → energies → ``autograd.grad`` → force/virial
+assembly — and replays it, so a step costs one graph launch plus the host-side neighbour list.
+
+Shape buckets. A graph has fixed shapes, so each batch is padded up to ``(N_pad, E_pad, B_pad)``
+(eight sizes per octave: at most 12.5 % padding). Padding is physically inert by construction,
+not by masking: the padded atoms belong to an extra *dummy structure* whose energy is discarded,
+and every padded edge joins a dummy atom to its own periodic image at distance ``rcut/2`` along
+the dummy cell's x axis. No real atom is the source or destination of a padded edge, so real
+energies, forces and virials are bit-identical to an unpadded evaluation of the same kernels.
+Padded edges are spread over the dummy atoms (about ``E/N`` each) so no segment is pathologically
+long.
+
+The recorded graph reads the model's parameters by address: any change to a parameter (in-place
+update, ``load_state_dict``) bumps its version and drops every captured graph. Graphs share one
+memory pool and run strictly one after another (the caller holds the potential's lock).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from service.graph.neighbors import Graph
+
+CAPTURE_MAX_ATOMS = 4096
+"""Largest batch replayed from a CUDA graph. Beyond a few thousand atoms kernel time dominates
+launch overhead and the eager step is as fast; graphs would only pin memory."""
+CAPTURE_MAX_EDGES = 600_000
+MAX_GRAPHS = 8
+"""Captured buckets kept (least recently used dropped first)."""
+WARMUP_STEPS = 2
+"""Eager steps on a side stream before capture (compiles/caches Triton kernels, packs weights)."""
+
+
+def bucket_size(n: int, minimum: int = 64) -> int:
+    """``n`` rounded up to one of eight sizes per octave (≤ 12.5 % above ``n``)."""
+    if n <= minimum:
+        return minimum
+    grain = 1 << max(n.bit_length() - 4, 0)
+    return -(-n // grain) * grain
+
+
+@dataclass(frozen=True)
+class StepShape:
+    n_atoms: int
+    n_edges: int
+    n_structures: int
+
+    @classmethod
+    def padded(cls, n_atoms: int, n_edges: int, n_structures: int) -> StepShape:
+        """The bucket of a batch: room for at least one dummy atom and one dummy structure."""
+        return cls(
+            n_atoms=bucket_size(n_atoms + 1),
+            n_edges=bucket_size(max(n_edges, 1)),
+            n_structures=1 << n_structures.bit_length(),  # next power of two > B
+        )
+
+
+@dataclass
+class StepInputs:
+    """Device tensors a step reads: the (padded) graph, positions (N, 3), cells (B, 3, 3) and
+    atom type indices (N,)."""
+
+    graph: Graph
+    positions: Tensor
+    cells: Tensor
+    types: Tensor
+
+    def to(self, device: torch.device) -> StepInputs:
+        return StepInputs(
+            graph=self.graph.to(device),
+            positions=self.positions.to(device),
+            cells=self.cells.to(device),
+            types=self.types.to(device),
+        )
+
+
+@dataclass
+class StepOutputs:
+    """energy (B,), atom_energy (N,), forces (N, 3), virial (B, 3, 3); float64."""
+
+    energy: Tensor
+    atom_energy: Tensor
+    forces: Tensor
+    virial: Tensor
+
+
+StepFunction = Callable[[StepInputs], StepOutputs]
+
+
+def pad_inputs(inputs: StepInputs, shape: StepShape, rcut: float) -> StepInputs:
+    """``inputs`` padded to ``shape`` with inert dummy atoms, edges and a dummy structure.
+
+    Built with device arithmetic on Python ints only: no host synchronisation.
+    """
+    g = inputs.graph
+    n, e, b = g.n_atoms, g.n_edges, g.n_structures
+    n_dummy, n_fill, dummy = shape.n_atoms - n, shape.n_edges - e, shape.n_structures - 1
+    dev = inputs.positions.device
+    k = torch.arange(n_fill, device=dev, dtype=torch.int64)
+    pad_dst = n + k * n_dummy // max(n_fill, 1)
+    # First padded edge of dummy atom j is ceil(j·P/M): the rows of the dst- and src-CSR tails.
+    j = torch.arange(1, n_dummy + 1, device=dev, dtype=torch.int64)
+    tail_ptr = e + (j * n_fill + n_dummy - 1) // n_dummy
+    pad_shift = torch.zeros(n_fill, 3, dtype=torch.int64, device=dev)
+    pad_shift[:, 0] = 1
+    dummy_cell = torch.eye(3, dtype=inputs.cells.dtype, device=dev) * (0.5 * rcut)
+    edge_tail = torch.full((shape.n_structures - b,), e + n_fill, dtype=torch.int64, device=dev)
+    edge_tail[:-1] = e
+    graph = Graph(
+        src=torch.cat([g.src, pad_dst]),
+        dst=torch.cat([g.dst, pad_dst]),
+        shifts=torch.cat([g.shifts, pad_shift]),
+        edge_batch=torch.cat([g.edge_batch, torch.full_like(pad_dst, dummy)]),
+        atom_batch=torch.cat(
+            [g.atom_batch, torch.full((n_dummy,), dummy, dtype=torch.int64, device=dev)]
+        ),
+        dst_rowptr=torch.cat([g.dst_rowptr, tail_ptr]),
+        src_order=torch.cat([g.src_order, e + k]),
+        src_rowptr=torch.cat([g.src_rowptr, tail_ptr]),
+        edge_ptr=torch.cat([g.edge_ptr, edge_tail]),
+        n_atoms=shape.n_atoms,
+        n_structures=shape.n_structures,
+    )
+    return StepInputs(
+        graph=graph,
+        positions=torch.cat([inputs.positions, inputs.positions.new_zeros(n_dummy, 3)]),
+        cells=torch.cat([inputs.cells, dummy_cell.expand(shape.n_structures - b, 3, 3)]),
+        types=torch.cat([inputs.types, inputs.types.new_zeros(n_dummy)]),
+    )
+
+
+@dataclass
+class _Recorded:
+    graph: torch.cuda.CUDAGraph
+    inputs: StepInputs
+    outputs: StepOutputs
+
+
+def _copy_into(static: StepInputs, fresh: StepInputs) -> None:
+    for name in ("src", "dst", "shifts", "edge_batch", "atom_batch", "dst_rowptr", "src_order",
+                 "src_rowptr", "edge_ptr"):  # fmt: skip
+        getattr(static.graph, name).copy_(getattr(fresh.graph, name), non_blocking=True)
+    static.positions.copy_(fresh.positions, non_blocking=True)
+    static.cells.copy_(fresh.cells, non_blocking=True)
+    static.types.copy_(fresh.types, non_blocking=True)
+
+
+def _weights_key(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    tensors = [*model.parameters(), *model.buffers()]
+    return tuple((t.data_ptr(), t._version) for t in tensors)
+
+
+class CapturedSteps:
+    """Per-bucket CUDA graphs of ``step`` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, step: StepFunction, rcut: float, device: torch.device):
+        self._model = model
+        self._step = step
+        self._rcut = rcut
+        self._device = device
+        self._graphs: OrderedDict[StepShape, _Recorded] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle()
+        self._weights = _weights_key(model)
+
+    def accepts(self, n_atoms: int, n_edges: int) -> bool:
+        return n_atoms < CAPTURE_MAX_ATOMS and n_edges < CAPTURE_MAX_EDGES
+
+    @property
+    def n_graphs(self) -> int:
+        return len(self._graphs)
+
+    def run(self, inputs: StepInputs) -> StepOutputs:
+        """The step's outputs for ``inputs`` (unpadded; best on the host, where the neighbour
+        list of a small batch is built: padding then costs no launches), replayed from the
+        bucket's graph."""
+        g = inputs.graph
+        key = _weights_key(self._model)
+        if key != self._weights:
+            self._graphs.clear()
+            self._weights = key
+        shape = StepShape.padded(g.n_atoms, g.n_edges, g.n_structures)
+        padded = pad_inputs(inputs, shape, self._rcut)
+        recorded = self._graphs.get(shape)
+        if recorded is None:
+            recorded = self._record(padded.to(self._device))
+            self._graphs[shape] = recorded
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(shape)
+            _copy_into(recorded.inputs, padded)
+        recorded.graph.replay()
+        out = recorded.outputs
+        # Clones: the next replay overwrites the static outputs.
+        return StepOutputs(
+            energy=out.energy[: g.n_structures].clone(),
+            atom_energy=out.atom_energy[: g.n_atoms].clone(),
+            forces=out.forces[: g.n_atoms].clone(),
+            virial=out.virial[: g.n_structures].clone(),
+        )
+
+    def _record(self, static: StepInputs) -> _Recorded:
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self._step(static)
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = self._step(static)
+        return _Recorded(graph=graph, inputs=static, outputs=outputs)
