@@ -11,13 +11,15 @@ Shape buckets. A graph has fixed shapes, so each batch is padded up to ``(N_pad,
 not by masking: the padded atoms belong to an extra *dummy structure* whose energy is discarded,
 and every padded edge joins a dummy atom to its own periodic image at distance ``rcut/2`` along
 the dummy cell's x axis. No real atom is the source or destination of a padded edge, so real
-energies, forces and virials are bit-identical to an unpadded evaluation of the same kernels.
+energies, forces and virials equal an unpadded evaluation exactly in float64, and in fp32 up to
+the rounding of shape-dependent GEMM blocking (~1e-7 relative).
 Padded edges are spread over the dummy atoms (about ``E/N`` each) so no segment is pathologically
 long.
 
 The recorded graph reads the model's parameters by address: any change to a parameter (in-place
-update, ``load_state_dict``) bumps its version and drops every captured graph. Graphs share one
-memory pool and run strictly one after another (the caller holds the potential's lock).
+update, ``load_state_dict``) bumps its version and drops every captured graph. Each graph owns a
+private memory pool (sharing one pool across captures tripped an allocator assert in torch 2.11);
+together they are bounded by :data:`MEMORY_FRACTION` of the device.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ launch overhead and the eager step is as fast; graphs would only pin memory."""
 CAPTURE_MAX_EDGES = 600_000
 MAX_GRAPHS = 8
 """Captured buckets kept (least recently used dropped first)."""
+MEMORY_FRACTION = 0.25
+"""Device memory the recorded graphs may pin together (each graph owns a private pool holding
+its step's activations); beyond it the least recently used graphs are dropped."""
 WARMUP_STEPS = 2
 """Eager steps on a side stream before capture (compiles/caches Triton kernels, packs weights)."""
 
@@ -144,6 +149,7 @@ class _Recorded:
     graph: torch.cuda.CUDAGraph
     inputs: StepInputs
     outputs: StepOutputs
+    pool_bytes: int
 
 
 def _copy_into(static: StepInputs, fresh: StepInputs) -> None:
@@ -169,8 +175,10 @@ class CapturedSteps:
         self._rcut = rcut
         self._device = device
         self._graphs: OrderedDict[StepShape, _Recorded] = OrderedDict()
-        self._pool = torch.cuda.graph_pool_handle()
         self._weights = _weights_key(model)
+        self._memory_budget = int(
+            MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
+        )
 
     def accepts(self, n_atoms: int, n_edges: int) -> bool:
         return n_atoms < CAPTURE_MAX_ATOMS and n_edges < CAPTURE_MAX_EDGES
@@ -194,7 +202,10 @@ class CapturedSteps:
         if recorded is None:
             recorded = self._record(padded.to(self._device))
             self._graphs[shape] = recorded
-            while len(self._graphs) > MAX_GRAPHS:
+            while len(self._graphs) > 1 and (
+                len(self._graphs) > MAX_GRAPHS
+                or sum(r.pool_bytes for r in self._graphs.values()) > self._memory_budget
+            ):
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(shape)
@@ -209,6 +220,10 @@ class CapturedSteps:
             virial=out.virial[: g.n_structures].clone(),
         )
 
+    def clear(self) -> None:
+        """Drop every recorded graph and its memory (e.g. before retrying after an OOM)."""
+        self._graphs.clear()
+
     def _record(self, static: StepInputs) -> _Recorded:
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
@@ -216,7 +231,9 @@ class CapturedSteps:
             for _ in range(WARMUP_STEPS):
                 self._step(static)
         torch.cuda.current_stream(self._device).wait_stream(side)
+        before = torch.cuda.memory_reserved(self._device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph):
             outputs = self._step(static)
-        return _Recorded(graph=graph, inputs=static, outputs=outputs)
+        pool_bytes = torch.cuda.memory_reserved(self._device) - before
+        return _Recorded(graph, static, outputs, pool_bytes=max(pool_bytes, 0))
