@@ -92,7 +92,7 @@ def _water(n_rep: int) -> Structures:
     from service.training.data import load_dataset
     from tests.conftest import shared_path
 
-    frame = load_dataset([shared_path("data", "water", "data_0")]).frames[0]
+    frame = load_dataset([shared_path("data", "water", "data_0")])[0]
     atoms = Atoms(numbers=frame.numbers, positions=frame.positions, cell=frame.cell, pbc=True)
     return Structures.from_atoms([atoms.repeat(n_rep)])
 
