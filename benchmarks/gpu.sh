@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh kernels|graph|model|service|train [extra args for the topic's step]
+#   benchmarks/gpu.sh kernels|kernels-grid|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -18,7 +18,10 @@ fi
 log="$out/$topic.log"
 # Each step is time-boxed (STEP_S seconds) and results are packed after every step, so a call
 # that hits the device's wall-clock limit still returns what finished.
-pack() { tar czf "$out/results.tgz" benchmarks/results so2kernels/tables runs 2>/dev/null || true; }
+pack() {
+  tar czf "$out/results.tgz" --exclude='*.pt' --exclude='*.safetensors' \
+    benchmarks/results so2kernels/tables runs 2>/dev/null || true
+}
 run() {
   echo "+ $*" | tee -a "$log"
   timeout --signal=INT "${STEP_S:-300}" "$@" 2>&1 | tee -a "$log"
@@ -39,6 +42,11 @@ case "$topic" in
   graph)
     run python3 -m pytest -q -m gpu tests/graph
     run python3 benchmarks/graph.py "$@"
+    ;;
+  step)  # sync audit, CUDA-graph replay vs eager, small-size step timings
+    run python3 benchmarks/sync_audit.py
+    run python3 -m pytest -q -m gpu tests/model/test_captured.py
+    run python3 benchmarks/model.py --cases bar:192,1536,12288 small:192,1536,12288 --paths fused fused-eager --no-agreement --repeats 10 "$@"
     ;;
   model)
     run python3 -m pytest -q -m gpu tests/model
