@@ -6,11 +6,18 @@ Run on the GPU machine from the repository root:
     python benchmarks/graph.py --sizes 1 2 4   # replication factors n (192·n³ atoms)
 
 Boxes tile the 192-atom frame 0 of ``water/data_0`` (from ../shared or the carried .gpu_data copy;
-a random water-density box if neither exists). Reported per size: atoms, edges, median ms and
-edges/s of (a) the neighbour list on the device (torch cell list), (b) edge vectors + edge cache
-for lmax 2 and 3 without autograd and (c) with the edge-vector leaf requiring grad (what an
-energy+force step builds), plus CPU validation and the CPU vesin path for the smaller boxes.
-Sizes whose Wigner-D alone would not fit in free device memory are skipped and say so.
+a random water-density box if neither exists). Reported per size: atoms, edges, median ms,
+edges/s and peak device memory of (a) the neighbour list on the device (torch cell list), next to
+(a') what a CUDA request of that size actually gets (``build_graph`` backend ``auto``: vesin on
+the host plus one copy of the graph up to ``VESIN_MAX_ATOMS`` atoms), (b) edge vectors + edge
+cache for lmax 2 and 3 without autograd and (c) with the edge-vector leaf requiring grad (what an
+energy+force step builds), (d) the float64 force/virial assembly from a stand-in ∂E/∂r, plus CPU
+validation and the CPU vesin path for the smaller boxes.
+
+Memory: sizes run smallest first; each case's peak bytes per edge, measured at the largest size
+it ran, predicts the next size. A case predicted not to fit in the free device memory (or that
+runs out anyway) is skipped with its reason recorded, and the remaining cases of that size still
+run; everything is freed between cases.
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ sys.path.insert(0, str(ROOT))
 from service.graph import (  # noqa: E402
     StructureArrays,
     Structures,
+    assemble_forces_virial,
     build_edge_cache,
     build_graph,
     edge_vectors,
 )
+from service.graph.neighbors import Graph, resolve_backend  # noqa: E402
 
 RCUT = 6.0
 DEFAULT_SIZES = (1, 2, 4, 8, 17)  # 192, 1536, 12288, 98304, 943296 atoms
@@ -67,10 +76,12 @@ def tiled(n: int) -> StructureArrays:
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:
-    """Median wall ms over ``repeats`` runs after one warm-up; returns (ms, last result)."""
+    """Median wall ms over ``repeats`` runs after one warm-up; returns (ms, last result). The
+    previous result is dropped before each run, so peak memory is one result's, not two."""
     result = fn()
     samples = []
     for _ in range(repeats):
+        result = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -81,57 +92,135 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[fl
     return statistics.median(samples), result
 
 
-def fits(n_atoms: int, lmax: int, device: torch.device, with_grad: bool) -> bool:
-    if device.type != "cuda":
-        return n_atoms <= 20_000
-    free, _ = torch.cuda.mem_get_info(device)
-    edges = EDGES_PER_ATOM * n_atoms
-    per_edge = 4 * (lmax + 1) ** 4 + 200  # Wigner-D + graph/cache vectors
-    if with_grad:
-        per_edge *= 3  # float64 monomials and the index_copy output are kept for backward
-    return edges * per_edge < 0.8 * free
+class MemoryModel:
+    """Peak device bytes per edge of each case, measured on the largest size that ran so far and
+    extrapolated linearly (every term is per edge or per atom, and edges ∝ atoms)."""
+
+    SAFETY = 1.15
+    """Margin over the linear extrapolation (allocator rounding, chunk remainders)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes_per_edge: dict[str, float] = {}
+
+    def reason_to_skip(self, case: str, n_edges: int) -> str | None:
+        """Why ``case`` cannot run at ``n_edges`` edges, or None if it is expected to fit."""
+        if self.device.type != "cuda":
+            return None if n_edges <= 2_000_000 else "CPU run: sizes above 2M edges skipped"
+        per_edge = self.bytes_per_edge.get(case)
+        if per_edge is None:
+            return None  # first size: measure (an OOM is caught and recorded)
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        need = self.SAFETY * per_edge * n_edges
+        if need > free:
+            return (
+                f"needs ~{need / 2**30:.1f} GiB ({per_edge:.0f} B/edge measured at a smaller "
+                f"size) but {free / 2**30:.1f} GiB are free"
+            )
+        return None
+
+    def start(self) -> int:
+        """Reset the peak counter; returns the bytes allocated now (the case's baseline)."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def finish(self, case: str, baseline: int, n_edges: int) -> float | None:
+        """Record the case's peak above ``baseline``; returns it in GiB (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        if n_edges:
+            self.bytes_per_edge[case] = peak / n_edges
+        return peak / 2**30
 
 
-def bench_size(n: int, device: torch.device, repeats: int) -> dict[str, Any]:
+def run_case(
+    row: dict[str, Any], key: str, fn: Callable[[], Any], n_edges: int, memory: MemoryModel,
+    repeats: int,
+) -> Any:  # fmt: skip
+    """Time ``fn`` as ``row[key + "_ms"]`` with its peak memory, or record why it was skipped;
+    returns the last result (None when skipped)."""
+    reason = memory.reason_to_skip(key, n_edges)
+    if reason is not None:
+        row[key + "_ms"] = None
+        row[key + "_skipped"] = reason
+        return None
+    baseline = memory.start()
+    try:
+        ms, result = timed(fn, memory.device, repeats)
+    except torch.cuda.OutOfMemoryError as exc:
+        row[key + "_ms"] = None
+        row[key + "_skipped"] = f"out of memory: {str(exc).splitlines()[0]}"
+        torch.cuda.empty_cache()
+        return None
+    row[key + "_ms"] = ms
+    if n_edges:
+        row[key + "_edges_per_s"] = n_edges / (ms * 1e-3)
+    row[key + "_peak_gib"] = memory.finish(key, baseline, n_edges)
+    return result
+
+
+def edge_cache_builder(
+    graph: Graph, structures: Structures, lmax: int, with_grad: bool
+) -> Callable[[], Any]:
+    def build() -> Any:
+        with torch.set_grad_enabled(with_grad):
+            vec = edge_vectors(graph, structures.positions, structures.cells)
+            return build_edge_cache(graph, vec.requires_grad_(with_grad), rcut=RCUT, lmax=lmax)
+
+    return build
+
+
+def assembly_runner(graph: Graph, structures: Structures) -> Callable[[], Any]:
+    """Force/virial assembly (float64 CSR sums, per-atom virials included) from a stand-in
+    ∂E/∂r; the inputs live as long as the returned closure."""
+    edge_vec = edge_vectors(graph, structures.positions, structures.cells)
+    edge_grad = torch.randn_like(edge_vec)
+    return lambda: assemble_forces_virial(graph, edge_grad, edge_vec)
+
+
+def bench_size(n: int, device: torch.device, repeats: int, memory: MemoryModel) -> dict[str, Any]:
     item = tiled(n)
     row: dict[str, Any] = {"replication": n}
     validate_ms, structures = timed(lambda: Structures.from_arrays([item]), torch.device("cpu"), 1)
     row["n_atoms"] = structures.n_atoms
     row["validate_cpu_ms"] = validate_ms
     on_device = structures.to(device)
-    nl_ms, graph = timed(lambda: build_graph(on_device, RCUT, backend="torch"), device, repeats)
+    expected_edges = int(EDGES_PER_ATOM * structures.n_atoms)
+    graph = run_case(
+        row, "neighbor", lambda: build_graph(on_device, RCUT, backend="torch"), expected_edges,
+        memory, repeats,
+    )  # fmt: skip
+    if graph is None:
+        return row
     row["n_edges"] = graph.n_edges
-    row["neighbor_ms"] = nl_ms
-    row["neighbor_edges_per_s"] = graph.n_edges / (nl_ms * 1e-3)
+    # What a request of this size gets on CUDA: backend "auto" (vesin on the host + one copy of
+    # the graph for batches up to VESIN_MAX_ATOMS atoms, the device cell list above).
+    row["neighbor_auto_backend"] = resolve_backend(on_device, "auto")
+    if row["neighbor_auto_backend"] == "vesin":
+        auto = run_case(
+            row, "neighbor_auto", lambda: build_graph(on_device, RCUT), graph.n_edges, memory,
+            repeats,
+        )  # fmt: skip
+        del auto
     if structures.n_atoms <= 20_000:
         cpu_ms, _ = timed(
             lambda: build_graph(structures, RCUT, backend="vesin"), torch.device("cpu"), 1
         )
         row["neighbor_vesin_cpu_ms"] = cpu_ms
+    run_case(row, "assembly", assembly_runner(graph, on_device), graph.n_edges, memory, repeats)
     for lmax in (2, 3):
         for with_grad in (False, True):
             key = f"edge_cache_l{lmax}{'_grad' if with_grad else ''}"
-            if not fits(structures.n_atoms, lmax, device, with_grad):
-                row[key + "_ms"] = None
-                row[key + "_skipped"] = "estimated memory exceeds 80% of free device memory"
-                continue
-
-            def build(lmax: int = lmax, with_grad: bool = with_grad) -> Any:
-                with torch.set_grad_enabled(with_grad):
-                    vec = edge_vectors(graph, on_device.positions, on_device.cells)
-                    return build_edge_cache(
-                        graph, vec.requires_grad_(with_grad), rcut=RCUT, lmax=lmax
-                    )
-
-            ms, cache = timed(build, device, repeats)
+            build = edge_cache_builder(graph, on_device, lmax, with_grad)
+            cache = run_case(row, key, build, graph.n_edges, memory, repeats)
             del cache
-            row[key + "_ms"] = ms
-            row[key + "_edges_per_s"] = graph.n_edges / (ms * 1e-3)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if device.type == "cuda":
-        row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
     return row
 
 
@@ -143,9 +232,12 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
-    for n in args.sizes:
+    memory = MemoryModel(device)
+    for n in sorted(args.sizes):
         repeats = args.repeats if n < 8 else max(1, args.repeats // 2)
-        row = bench_size(n, device, repeats)
+        row = bench_size(n, device, repeats, memory)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the size's graph and boxes are gone with bench_size
         print(json.dumps(row), flush=True)
         rows.append(row)
     report = {

@@ -16,9 +16,12 @@ m=0 block of the SO(2) linear: ``M0 = (L+1)·Cf`` columns (rows 0..L of the redu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 SUPPORTED_LMAX = range(1, 7)
 SUPPORTED_FOCUS_DIMS = (32, 64, 96, 128)
@@ -65,9 +68,38 @@ def reduced_row_degree(lmax: int) -> tuple[int, ...]:
     return tuple(list(range(lmax + 1)) + list(range(1, lmax + 1)) * 2)
 
 
+ConstantValues = Sequence[float] | Sequence[Sequence[float]]
+
+
+def device_constant(
+    values: ConstantValues, device: torch.device | str, dtype: torch.dtype
+) -> torch.Tensor:
+    """A read-only tensor of the (nested tuple) ``values``, uploaded once per (values, device,
+    dtype) and reused: building it per call would be a host→device copy, i.e. a stream sync
+    that also breaks CUDA-graph capture. Callers must never write into it.
+
+    While a fake/tracing mode is active the tensor is built afresh (a traced constant must not be
+    cached); ``values`` must then be hashable tuples as well."""
+    if torch.compiler.is_compiling() or any(
+        isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()
+    ):
+        return torch.tensor(values, device=device, dtype=dtype)
+    return _cached_constant(values, torch.device(device), dtype)
+
+
+@cache
+def _cached_constant(
+    values: ConstantValues, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    # A normal (non-inference, grad-free) tensor even when first requested inside
+    # torch.inference_mode, so a later autograd step may save it for backward.
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.tensor(values, device=device, dtype=dtype)
+
+
 def reduced_to_packed_tensor(lmax: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """:func:`reduced_to_packed` as an int64 tensor."""
-    return torch.tensor(reduced_to_packed(lmax), dtype=torch.int64, device=device)
+    """:func:`reduced_to_packed` as a cached int64 device constant."""
+    return device_constant(reduced_to_packed(lmax), device, torch.int64)
 
 
 def check_regime(op: str, lmax: int, focus_dim: int) -> None:
@@ -113,5 +145,5 @@ def _rotate_back_rescale_values(lmax: int) -> tuple[float, ...]:
 def rotate_back_rescale(
     lmax: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """``(D,)`` inverse-rotation rescale of every packed row (1 for l ≤ 1)."""
-    return torch.tensor(_rotate_back_rescale_values(lmax), device=device, dtype=dtype)
+    """``(D,)`` inverse-rotation rescale of every packed row (1 for l ≤ 1), cached constant."""
+    return device_constant(_rotate_back_rescale_values(lmax), device, dtype)

@@ -53,10 +53,11 @@ from so2kernels._dispatch import UnsupportedInputError, require_fp32, use_triton
 from so2kernels._layout import (
     SUPPORTED_LMAX,
     channel_rows_to_edge_major,
+    device_constant,
     edge_major_to_channel_rows,
     n_coeff,
     n_reduced,
-    reduced_to_packed_tensor,
+    reduced_to_packed,
     rotate_back_rescale,
 )
 from so2kernels.rotate_mix import structure_mask, wigner_reduced_rows
@@ -135,7 +136,6 @@ def _check_grad_out(grad_out: Tensor, x_local: Tensor, dst_rowptr: Tensor, lmax:
 # Eager reference (any dtype; differentiable by autograd to any order)
 
 
-@cache
 def dst_of_edges(dst_rowptr: Tensor, n_edge: int) -> Tensor:
     """(E,) destination node of every edge from the CSR offsets (no host sync)."""
     n_node = dst_rowptr.shape[0] - 1
@@ -162,6 +162,16 @@ def attention_aggregate_reference(
     message = torch.bmm(d_rows.transpose(1, 2), weighted) * scale[:, None]
     out = message.new_zeros((dst_rowptr.shape[0] - 1, *message.shape[1:]))
     return out.index_add(0, dst_of_edges(dst_rowptr, n_edge), message)
+
+
+@cache
+def _reduced_to_packed_selector(lmax: int) -> tuple[tuple[float, ...], ...]:
+    """(D, 3L+1) one-hot rows placing each reduced row at its packed row."""
+    packed = reduced_to_packed(lmax)
+    return tuple(
+        tuple(1.0 if packed[r] == p else 0.0 for r in range(n_reduced(lmax)))
+        for p in range(n_coeff(lmax))
+    )
 
 
 def attention_aggregate_backward_reference(
@@ -194,10 +204,7 @@ def attention_aggregate_backward_reference(
     grad_weights = (g_local * rows).sum(1).reshape(n_edge, n_group, c_wide // n_group).sum(2)
     grad_rows = torch.bmm(rows * w_chan[:, None, :], g_edge.transpose(1, 2))  # (E, 3L+1, D)
     grad_rows = grad_rows * structure_mask(lmax, x_local.device, x_local.dtype)
-    # Place the reduced rows at their packed rows: (D, 3L+1) one-hot selector.
-    selector = torch.zeros(dim, n_reduced(lmax), device=x_local.device, dtype=x_local.dtype)
-    packed = reduced_to_packed_tensor(lmax, x_local.device)
-    selector[packed, torch.arange(packed.shape[0], device=x_local.device)] = 1.0
+    selector = device_constant(_reduced_to_packed_selector(lmax), x_local.device, x_local.dtype)
     grad_block = torch.einsum("pr,erq->epq", selector, grad_rows)
     pad = wigner.shape[1] - dim
     grad_wigner = torch.nn.functional.pad(grad_block, (0, pad, 0, pad))

@@ -48,6 +48,7 @@ from so2kernels._dispatch import UnsupportedInputError, require_fp32, use_triton
 from so2kernels._layout import (
     MAX_RANK,
     check_regime,
+    device_constant,
     n_coeff,
     n_kernel_slots,
     n_reduced,
@@ -147,8 +148,9 @@ def _block_mask_rows(lmax: int) -> tuple[tuple[float, ...], ...]:
 
 
 def structure_mask(lmax: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """(3L+1, D) 0/1 mask: reduced row r couples only to the columns of its degree block."""
-    return torch.tensor(_block_mask_rows(lmax), device=device, dtype=dtype)
+    """(3L+1, D) 0/1 mask: reduced row r couples only to the columns of its degree block
+    (cached device constant)."""
+    return device_constant(_block_mask_rows(lmax), device, dtype)
 
 
 def wigner_reduced_rows(wigner: Tensor, lmax: int) -> Tensor:
@@ -159,8 +161,8 @@ def wigner_reduced_rows(wigner: Tensor, lmax: int) -> Tensor:
 
 
 def degree_index(lmax: int, device: torch.device) -> Tensor:
-    """(3L+1,) int64 degree of every reduced row."""
-    return torch.tensor(reduced_row_degree(lmax), device=device, dtype=torch.int64)
+    """(3L+1,) int64 degree of every reduced row (cached device constant)."""
+    return device_constant(reduced_row_degree(lmax), device, torch.int64)
 
 
 def mixing_blocks(kc: Tensor, lmax: int, rank: int) -> Tensor:

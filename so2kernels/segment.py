@@ -6,19 +6,23 @@ Layout contract
 ``row_ptr`` (N+1,) int64 holds the segment offsets into ``order``: segment ``n`` owns
 ``order[row_ptr[n]:row_ptr[n+1]]``. ``order`` must be a permutation of ``0..E-1`` and
 ``row_ptr[0] = 0``, ``row_ptr[N] = E`` (checked by :func:`validate_csr`, which synchronises and is
-therefore left to the caller that builds the CSR; the ops only check shapes).
+therefore left to the caller that builds the CSR; the ops only check shapes). ``order=None``
+means the identity: the rows are already grouped by segment (e.g. edges sorted by ``dst``), and
+no (E,) index is read at all.
 
 * ``segment_sum(rows (E, *S)) -> (N, *S)``: ``out[n] = Σ_{k in seg(n)} rows[order[k]]``.
 * ``segment_broadcast(values (N, *S)) -> (E, *S)``: ``out[order[k]] = values[n]`` for k in seg(n).
 
 Each is the other's adjoint, so each is the other's backward (and hence its own second order).
-The fused path reduces every segment in one program, in ``order``'s order: no atomics, the result
-is bitwise reproducible run to run.
+The fused path reduces every segment in one program, in ``order``'s order, accumulating in the
+rows' dtype (float32 or float64): no atomics, the result is bitwise reproducible run to run, and
+no launch reads anything back to the host (safe inside a CUDA graph).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -26,26 +30,24 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from so2kernels._dispatch import require_fp32, use_triton
+from so2kernels._dispatch import UnsupportedInputError, use_triton
 
 # Input checks
 
 
-def _check_csr(op: str, order: Tensor, row_ptr: Tensor, n_rows: int) -> None:
+def _check_csr(op: str, order: Tensor | None, row_ptr: Tensor, n_rows: int) -> None:
     """Shape/dtype checks that need no device synchronisation."""
-    if order.dim() != 1 or row_ptr.dim() != 1:
-        raise ValueError(
-            f"so2kernels.{op}: order and row_ptr must be 1-D, got shapes "
-            f"{tuple(order.shape)} and {tuple(row_ptr.shape)}"
-        )
-    if order.dtype != torch.int64 or row_ptr.dtype != torch.int64:
-        raise ValueError(
-            f"so2kernels.{op}: order and row_ptr must be int64, "
-            f"got {order.dtype} and {row_ptr.dtype}"
-        )
+    for name, index in (("order", order), ("row_ptr", row_ptr)):
+        if index is None:
+            continue
+        if index.dim() != 1 or index.dtype != torch.int64:
+            raise ValueError(
+                f"so2kernels.{op}: {name} must be a 1-D int64 tensor, got shape "
+                f"{tuple(index.shape)} and {index.dtype}"
+            )
     if row_ptr.shape[0] < 1:
         raise ValueError(f"so2kernels.{op}: row_ptr needs N+1 >= 1 entries")
-    if order.shape[0] != n_rows:
+    if order is not None and order.shape[0] != n_rows:
         raise ValueError(
             f"so2kernels.{op}: order has {order.shape[0]} entries but there are {n_rows} rows"
         )
@@ -85,27 +87,46 @@ def csr_from_index(index: Tensor, n_segments: int) -> tuple[Tensor, Tensor]:
 # Eager references (any dtype, differentiable by autograd)
 
 
-def _segment_of_sorted(order: Tensor, row_ptr: Tensor) -> Tensor:
-    """(E,) segment id of every position of ``order`` (no host sync: output_size is known)."""
+def _segment_of_position(row_ptr: Tensor, n_rows: int) -> Tensor:
+    """(E,) segment id of every CSR position (no host sync: output_size is known)."""
     n_segments = row_ptr.shape[0] - 1
     counts = row_ptr[1:] - row_ptr[:-1]
     ids = torch.arange(n_segments, device=row_ptr.device, dtype=torch.int64)
-    return torch.repeat_interleave(ids, counts, output_size=order.shape[0])
+    return torch.repeat_interleave(ids, counts, output_size=n_rows)
 
 
-def segment_sum_reference(rows: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
+def segment_sum_reference(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
     """``out[n] = Σ_{k in row_ptr[n]..row_ptr[n+1]} rows[order[k]]``: (E, *S) -> (N, *S)."""
-    _check_csr("segment_sum", order, row_ptr, rows.shape[0])
+    n_rows = rows.shape[0]
+    _check_csr("segment_sum", order, row_ptr, n_rows)
+    grouped = rows if order is None else rows.index_select(0, order)
     out = rows.new_zeros((row_ptr.shape[0] - 1, *rows.shape[1:]))
-    return out.index_add(0, _segment_of_sorted(order, row_ptr), rows.index_select(0, order))
+    return out.index_add(0, _segment_of_position(row_ptr, n_rows), grouped)
 
 
-def segment_broadcast_reference(values: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
+def segment_broadcast_reference(
+    values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int | None = None
+) -> Tensor:
     """``out[order[k]] = values[n]`` for k in segment n: (N, *S) -> (E, *S)."""
-    _check_csr("segment_broadcast", order, row_ptr, order.shape[0])
+    n_rows = _broadcast_rows("segment_broadcast", order, n_rows)
+    _check_csr("segment_broadcast", order, row_ptr, n_rows)
     _check_segment_count("segment_broadcast", values, row_ptr)
-    out = values.new_zeros((order.shape[0], *values.shape[1:]))
-    return out.index_copy(0, order, values.index_select(0, _segment_of_sorted(order, row_ptr)))
+    grouped = values.index_select(0, _segment_of_position(row_ptr, n_rows))
+    if order is None:
+        return grouped
+    return values.new_zeros((n_rows, *values.shape[1:])).index_copy(0, order, grouped)
+
+
+def _broadcast_rows(op: str, order: Tensor | None, n_rows: int | None) -> int:
+    """E of a broadcast: ``order``'s length, or the caller's ``n_rows`` when order is the
+    identity (``row_ptr[-1]`` would need a host read)."""
+    if order is not None:
+        if n_rows is not None and n_rows != order.shape[0]:
+            raise ValueError(f"so2kernels.{op}: n_rows={n_rows} but order has {order.shape[0]}")
+        return int(order.shape[0])
+    if n_rows is None or n_rows < 0:
+        raise ValueError(f"so2kernels.{op}: order=None needs the row count n_rows >= 0")
+    return n_rows
 
 
 def _check_segment_count(op: str, values: Tensor, row_ptr: Tensor) -> None:
@@ -117,17 +138,19 @@ def _check_segment_count(op: str, values: Tensor, row_ptr: Tensor) -> None:
 
 
 # Triton kernels. Grid (N, cdiv(P, BLOCK_P)); each program owns one segment's column chunk and
-# walks the segment BLOCK_K positions at a time. Offsets are int64 (E·P may exceed 2^31).
+# walks the segment BLOCK_K positions at a time, accumulating in the output's dtype. GROUPED
+# (order is None) reads position k as row k. Offsets are int64 (E·P may exceed 2^31).
 
 
 @triton.jit
 def _segment_sum_kernel(
     rows_ptr,  # (E, P), row stride rows_se, unit column stride
-    order_ptr,  # (E,) int64
+    order_ptr,  # (E,) int64; unused when GROUPED
     row_ptr_ptr,  # (N+1,) int64
-    out_ptr,  # (N, P) contiguous
+    out_ptr,  # (N, P) contiguous, rows' dtype
     rows_se,
     P,
+    GROUPED: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
@@ -136,11 +159,11 @@ def _segment_sum_kernel(
     col_mask = cols < P
     first = tl.load(row_ptr_ptr + seg)
     stop = tl.load(row_ptr_ptr + seg + 1)
-    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_P,), dtype=out_ptr.dtype.element_ty)
     for k0 in range(first, stop, BLOCK_K):
         pos = k0 + tl.arange(0, BLOCK_K)
         pos_mask = pos < stop
-        row = tl.load(order_ptr + pos, mask=pos_mask, other=0)
+        row = pos if GROUPED else tl.load(order_ptr + pos, mask=pos_mask, other=0)
         tile = tl.load(
             rows_ptr + row[:, None] * rows_se + cols[None, :],
             mask=pos_mask[:, None] & col_mask[None, :],
@@ -153,11 +176,12 @@ def _segment_sum_kernel(
 @triton.jit
 def _segment_broadcast_kernel(
     values_ptr,  # (N, P), row stride values_sn, unit column stride
-    order_ptr,  # (E,) int64
+    order_ptr,  # (E,) int64; unused when GROUPED
     row_ptr_ptr,  # (N+1,) int64
     out_ptr,  # (E, P) contiguous
     values_sn,
     P,
+    GROUPED: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
@@ -171,7 +195,7 @@ def _segment_broadcast_kernel(
     for k0 in range(first, stop, BLOCK_K):
         pos = k0 + tl.arange(0, BLOCK_K)
         pos_mask = pos < stop
-        row = tl.load(order_ptr + pos, mask=pos_mask, other=0)
+        row = pos if GROUPED else tl.load(order_ptr + pos, mask=pos_mask, other=0)
         tl.store(
             out_ptr + row[:, None] * P + cols[None, :],
             tile,
@@ -181,13 +205,21 @@ def _segment_broadcast_kernel(
 
 # Launchers
 
-_BLOCK_K = 4
-"""Segment positions per loop step: short enough for the ~10¹–10² edges per atom of a
-neighbour list, long enough to keep several row loads in flight."""
+_TILE_ELEMENTS = 4096
+"""Upper bound of BLOCK_K·BLOCK_P: a (BLOCK_K, BLOCK_P) tile per loop step stays in registers."""
 
 
 def _column_block(n_cols: int) -> int:
     return int(min(1024, max(16, triton.next_power_of_2(max(n_cols, 1)))))
+
+
+def _position_block(n_rows: int, n_segments: int, block_p: int) -> int:
+    """Segment positions per loop step, from the mean segment length (a host-side shape ratio,
+    no sync): ≥ 4 keeps several row loads in flight; long segments of narrow rows (per-atom sums
+    of 3–9 columns over ~10² edges, per-structure sums over 10⁶ atoms) take up to a full tile
+    per step instead of serialising thousands of tiny ones."""
+    mean_length = -(-n_rows // max(n_segments, 1))
+    return int(max(4, min(triton.next_power_of_2(max(mean_length, 1)), _TILE_ELEMENTS // block_p)))
 
 
 def _as_matrix(t: Tensor) -> Tensor:
@@ -197,7 +229,7 @@ def _as_matrix(t: Tensor) -> Tensor:
     return flat if flat.stride(1) == 1 or flat.shape[1] <= 1 else flat.contiguous()
 
 
-def _launch_segment_sum(rows: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
+def _launch_segment_sum(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
     n_segments = row_ptr.shape[0] - 1
     out = torch.empty((n_segments, *rows.shape[1:]), device=rows.device, dtype=rows.dtype)
     matrix = _as_matrix(rows)
@@ -205,26 +237,30 @@ def _launch_segment_sum(rows: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
     if n_segments == 0 or n_cols == 0:
         return out
     block_p = _column_block(n_cols)
+    block_k = _position_block(rows.shape[0], n_segments, block_p)
     grid = (n_segments, triton.cdiv(n_cols, block_p))
     wrap_triton(_segment_sum_kernel)[grid](
-        matrix, order, row_ptr, out, matrix.stride(0), n_cols,
-        BLOCK_K=_BLOCK_K, BLOCK_P=block_p, num_warps=4,
+        matrix, row_ptr if order is None else order, row_ptr, out, matrix.stride(0), n_cols,
+        GROUPED=order is None, BLOCK_K=block_k, BLOCK_P=block_p, num_warps=4,
     )  # fmt: skip
     return out
 
 
-def _launch_segment_broadcast(values: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
+def _launch_segment_broadcast(
+    values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int
+) -> Tensor:
     n_segments = row_ptr.shape[0] - 1
-    out = torch.empty((order.shape[0], *values.shape[1:]), device=values.device, dtype=values.dtype)
+    out = torch.empty((n_rows, *values.shape[1:]), device=values.device, dtype=values.dtype)
     matrix = _as_matrix(values)
     n_cols = matrix.shape[1]
     if n_segments == 0 or n_cols == 0:
         return out
     block_p = _column_block(n_cols)
+    block_k = _position_block(n_rows, n_segments, block_p)
     grid = (n_segments, triton.cdiv(n_cols, block_p))
     wrap_triton(_segment_broadcast_kernel)[grid](
-        matrix, order, row_ptr, out, matrix.stride(0), n_cols,
-        BLOCK_K=_BLOCK_K, BLOCK_P=block_p, num_warps=4,
+        matrix, row_ptr if order is None else order, row_ptr, out, matrix.stride(0), n_cols,
+        GROUPED=order is None, BLOCK_K=block_k, BLOCK_P=block_p, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -232,39 +268,61 @@ def _launch_segment_broadcast(values: Tensor, order: Tensor, row_ptr: Tensor) ->
 # Op registration
 
 
+def _require_float(op: str, t: Tensor, name: str) -> None:
+    if t.dtype not in (torch.float32, torch.float64):
+        raise UnsupportedInputError(
+            f"so2kernels.{op}: the fused path needs float32 or float64 for '{name}', got {t.dtype}"
+        )
+
+
 @triton_op("so2kernels::segment_sum", mutates_args=())
-def _segment_sum_op(rows: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
+def _segment_sum_op(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
     _check_csr("segment_sum", order, row_ptr, rows.shape[0])
-    if not use_triton(rows, order, row_ptr):
+    index = (row_ptr,) if order is None else (order, row_ptr)
+    if not use_triton(rows, *index):
         return segment_sum_reference(rows, order, row_ptr)
-    require_fp32("segment_sum", rows=rows)
+    _require_float("segment_sum", rows, "rows")
     return _launch_segment_sum(rows, order, row_ptr)
 
 
 @triton_op("so2kernels::segment_broadcast", mutates_args=())
-def _segment_broadcast_op(values: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
-    _check_csr("segment_broadcast", order, row_ptr, order.shape[0])
+def _segment_broadcast_op(
+    values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int
+) -> Tensor:
+    n_rows = _broadcast_rows("segment_broadcast", order, n_rows)
+    _check_csr("segment_broadcast", order, row_ptr, n_rows)
     _check_segment_count("segment_broadcast", values, row_ptr)
-    if not use_triton(values, order, row_ptr):
-        return segment_broadcast_reference(values, order, row_ptr)
-    require_fp32("segment_broadcast", values=values)
-    return _launch_segment_broadcast(values, order, row_ptr)
+    index = (row_ptr,) if order is None else (order, row_ptr)
+    if not use_triton(values, *index):
+        return segment_broadcast_reference(values, order, row_ptr, n_rows)
+    _require_float("segment_broadcast", values, "values")
+    return _launch_segment_broadcast(values, order, row_ptr, n_rows)
 
 
 @_segment_sum_op.register_fake
-def _segment_sum_fake(rows: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
+def _segment_sum_fake(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
     return rows.new_empty((row_ptr.shape[0] - 1, *rows.shape[1:]))
 
 
 @_segment_broadcast_op.register_fake
-def _segment_broadcast_fake(values: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
-    return values.new_empty((order.shape[0], *values.shape[1:]))
+def _segment_broadcast_fake(
+    values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int
+) -> Tensor:
+    return values.new_empty((n_rows, *values.shape[1:]))
 
 
-def _save_csr(
-    ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, ...], output: Tensor
+def _save_sum_csr(
+    ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: Tensor
 ) -> None:
-    _, order, row_ptr = inputs
+    rows, order, row_ptr = inputs
+    ctx.save_for_backward(order, row_ptr)
+    ctx.n_rows = rows.shape[0]  # type: ignore[attr-defined]
+
+
+def _save_broadcast_csr(
+    ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: Tensor
+) -> None:
+    _, order, row_ptr, _ = inputs
     ctx.save_for_backward(order, row_ptr)
 
 
@@ -272,30 +330,37 @@ def _segment_sum_backward(
     ctx: torch.autograd.function.FunctionCtx, grad: Tensor
 ) -> tuple[Tensor, None, None]:
     order, row_ptr = ctx.saved_tensors  # type: ignore[attr-defined]
-    return torch.ops.so2kernels.segment_broadcast(grad, order, row_ptr), None, None
+    n_rows: int = ctx.n_rows  # type: ignore[attr-defined]
+    return segment_broadcast(grad, order, row_ptr, n_rows), None, None
 
 
 def _segment_broadcast_backward(
     ctx: torch.autograd.function.FunctionCtx, grad: Tensor
-) -> tuple[Tensor, None, None]:
+) -> tuple[Tensor, None, None, None]:
     order, row_ptr = ctx.saved_tensors  # type: ignore[attr-defined]
-    return torch.ops.so2kernels.segment_sum(grad, order, row_ptr), None, None
+    return segment_sum(grad, order, row_ptr), None, None, None
 
 
-_segment_sum_op.register_autograd(_segment_sum_backward, setup_context=_save_csr)
-_segment_broadcast_op.register_autograd(_segment_broadcast_backward, setup_context=_save_csr)
+_segment_sum_op.register_autograd(_segment_sum_backward, setup_context=_save_sum_csr)
+_segment_broadcast_op.register_autograd(
+    _segment_broadcast_backward, setup_context=_save_broadcast_csr
+)
 
 
 # Typed Python entry points
 
 
-def segment_sum(rows: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
+def segment_sum(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
     """(E, *S) -> (N, *S) CSR segment sum; see the module docstring for the contract."""
     out: Tensor = torch.ops.so2kernels.segment_sum(rows, order, row_ptr)
     return out
 
 
-def segment_broadcast(values: Tensor, order: Tensor, row_ptr: Tensor) -> Tensor:
-    """(N, *S) -> (E, *S) adjoint of :func:`segment_sum`."""
-    out: Tensor = torch.ops.so2kernels.segment_broadcast(values, order, row_ptr)
+def segment_broadcast(
+    values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int | None = None
+) -> Tensor:
+    """(N, *S) -> (E, *S) adjoint of :func:`segment_sum`; ``n_rows`` (E) is required when
+    ``order`` is None and must match ``order`` otherwise."""
+    rows = _broadcast_rows("segment_broadcast", order, n_rows)
+    out: Tensor = torch.ops.so2kernels.segment_broadcast(values, order, row_ptr, rows)
     return out

@@ -45,10 +45,9 @@ entries (512 MiB in float64)."""
 FLOAT64_FROM_DEGREE = 5
 """Degrees from this one up are evaluated in float64 whatever the quaternion's dtype."""
 
-_L1_AXES = (1, 2, 0)
-"""Cartesian axis feeding each l=1 coefficient (m = −1, 0, +1): (y, z, x) ..."""
 _L1_SIGNS = (-1.0, -1.0, 1.0)
-"""... with these signs: the coefficient vector of u is (−u_y, −u_z, u_x)."""
+"""Signs of the l=1 coefficients (m = −1, 0, +1), fed by the axes (y, z, x): the coefficient
+vector of u is (−u_y, −u_z, u_x)."""
 
 
 # edge frame
@@ -102,11 +101,24 @@ def quaternion_to_rotation(q: Tensor) -> Tensor:
     return torch.stack([torch.stack(r, dim=-1) for r in rows], dim=-2)
 
 
+def _to_l1_order(t: Tensor, dim: int) -> Tensor:
+    """Axis ``dim`` of size 3 reordered (x, y, z) → (y, z, x), the axes feeding the l=1
+    coefficients, by slices (an index list would be uploaded to the device on every call)."""
+    return torch.cat((t.narrow(dim, 1, 2), t.narrow(dim, 0, 1)), dim=dim)
+
+
+@cache
+def _l1_sign_products() -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(a * b for b in _L1_SIGNS) for a in _L1_SIGNS)
+
+
 def l1_block(rotation: Tensor) -> Tensor:
     """(E, 3, 3) ``D^1 = Q R Qᵀ``: rows/columns of R permuted to (y, z, x) and signed."""
-    axes = list(_L1_AXES)
-    signs = torch.tensor(_L1_SIGNS, dtype=rotation.dtype, device=rotation.device)
-    return rotation[:, axes][:, :, axes] * (signs[:, None] * signs[None, :])
+    # Imported here for the reason given in edge_cache.EdgeCache.reduced_wigner.
+    from so2kernels._layout import device_constant
+
+    signs = device_constant(_l1_sign_products(), rotation.device, rotation.dtype)
+    return _to_l1_order(_to_l1_order(rotation, 1), 2) * signs
 
 
 # exact polynomial tables
@@ -184,24 +196,29 @@ def _table(l: int) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
 
 
 @cache
-def _device_table(l: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def _device_table(l: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Exponents (n, 4) int64 and coefficients (n, (2l+1)²) in ``dtype`` on ``device``: uploaded
+    once (read-only), as normal tensors even when first asked for under inference mode."""
     exponents, coeffs = _table(l)
-    return (
-        torch.from_numpy(exponents).to(device),
-        torch.from_numpy(coeffs).to(device=device, dtype=torch.float64),
-    )
+    with torch.inference_mode(False), torch.no_grad():
+        return (
+            torch.from_numpy(exponents).to(device),
+            torch.from_numpy(coeffs).to(device=device, dtype=dtype),
+        )
 
 
 @cache
 def _block_positions(lmax: int, device: torch.device) -> Tensor:
-    """Flat positions in a (D, D) matrix of the entries of blocks l = 0..lmax, block-major."""
+    """Flat positions in a (D, D) matrix of the entries of blocks l = 0..lmax, block-major
+    (uploaded once, read-only)."""
     dim = (lmax + 1) ** 2
     index = []
     for l in range(lmax + 1):
         start, size = l * l, 2 * l + 1
         rows = np.arange(start, start + size)
         index.append((rows[:, None] * dim + rows[None, :]).ravel())
-    return torch.from_numpy(np.concatenate(index)).to(device)
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.from_numpy(np.concatenate(index)).to(device)
 
 
 # evaluation
@@ -235,8 +252,8 @@ def wigner_blocks(q: Tensor, lmax: int) -> list[Tensor]:
         dtype = torch.float64 if l >= FLOAT64_FROM_DEGREE else q.dtype
         if dtype not in powers:
             powers[dtype] = _powers(q.to(dtype).T, 2 * lmax)  # (4, E, 2L+1)
-        exponents, coeffs = _device_table(l, q.device)
-        block = _monomials(powers[dtype], exponents) @ coeffs.to(dtype)
+        exponents, coeffs = _device_table(l, q.device, dtype)
+        block = _monomials(powers[dtype], exponents) @ coeffs
         blocks.append(block.view(n_edges, 2 * l + 1, 2 * l + 1).to(q.dtype))
     return blocks
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from service.graph.assembly import assemble_forces_virial, stress_from_virial
 from service.graph.neighbors import Graph, build_graph, edge_vectors
 from service.graph.radial import c3_envelope
+from service.graph.segments import csr_segment_sum
 from service.graph.structures import StructureArrays, Structures
+from so2kernels.segment import csr_from_index
 from tests.graph.helpers import random_cell, random_structure
 
 RCUT = 4.0
@@ -107,3 +111,22 @@ def test_empty_graph() -> None:
     out = assemble_forces_virial(graph, torch.zeros(0, 3), torch.zeros(0, 3))
     assert out.forces.shape == (1, 3) and float(out.forces.abs().sum()) == 0.0
     assert out.virial.shape == (1, 3, 3)
+
+
+def test_csr_segment_sum_accumulates_in_float64() -> None:
+    """fp32 edge values, float64 sums: against exact (fsum) per-segment totals, including the
+    grouped (dst-sorted) and the ordered (src CSR) forms, and bitwise stable run to run."""
+    gen = torch.Generator().manual_seed(3)
+    index = torch.randint(0, 5, (700,), generator=gen)
+    values = (torch.randn(700, 3, generator=gen) * 1e4).float()
+    order, rowptr = csr_from_index(index, 6)
+    exact = torch.tensor(
+        [[math.fsum(values[index == s, c].double().tolist()) for c in range(3)] for s in range(6)],
+        dtype=torch.float64,
+    )
+    ordered = csr_segment_sum(values, rowptr, order)
+    grouped = csr_segment_sum(values.index_select(0, order), rowptr)
+    assert ordered.dtype == torch.float64
+    torch.testing.assert_close(ordered, exact, atol=1e-8, rtol=1e-12)
+    torch.testing.assert_close(grouped, exact, atol=1e-8, rtol=1e-12)
+    assert torch.equal(ordered, csr_segment_sum(values, rowptr, order))

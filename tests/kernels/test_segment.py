@@ -128,7 +128,14 @@ def test_opcheck() -> None:
     rows = torch.randn(19, 2, 3, device=DEVICE, requires_grad=True)
     values = torch.randn(4, 5, device=DEVICE, requires_grad=True)
     torch.library.opcheck(torch.ops.so2kernels.segment_sum.default, (rows, order, row_ptr))
-    torch.library.opcheck(torch.ops.so2kernels.segment_broadcast.default, (values, order, row_ptr))
+    torch.library.opcheck(
+        torch.ops.so2kernels.segment_broadcast.default, (values, order, row_ptr, 19)
+    )
+    grouped_rows = torch.randn(19, 3, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.so2kernels.segment_sum.default, (grouped_rows, None, row_ptr))
+    torch.library.opcheck(
+        torch.ops.so2kernels.segment_broadcast.default, (values.double(), None, row_ptr, 19)
+    )
 
 
 @fused_only
@@ -163,11 +170,59 @@ def test_bad_inputs_raise_typed_errors() -> None:
 
 
 @pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="fused path only")
-def test_fused_path_refuses_float64() -> None:
+def test_fused_path_refuses_non_float() -> None:
     order, row_ptr = csr_from_index(torch.tensor([1, 0]), 2)
-    with pytest.raises(UnsupportedInputError, match="float32"):
-        segment_sum(torch.randn(2, 3, dtype=torch.float64, device=DEVICE), order.to(DEVICE),
+    with pytest.raises(UnsupportedInputError, match="float64"):
+        segment_sum(torch.ones(2, 3, dtype=torch.float16, device=DEVICE), order.to(DEVICE),
                     row_ptr.to(DEVICE))  # fmt: skip
+
+
+def test_identity_order_needs_row_count() -> None:
+    _, row_ptr = csr_from_index(torch.tensor([0, 1, 1]), 2)
+    with pytest.raises(ValueError, match="n_rows"):
+        segment_broadcast(torch.randn(2, 3), None, row_ptr)
+    with pytest.raises(ValueError, match="n_rows=4"):
+        segment_broadcast(torch.randn(2, 3), torch.arange(3), row_ptr, 4)
+
+
+@fused_only
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("trailing", [(), (3,), (3, 3)])
+@pytest.mark.parametrize(("n_edge", "n_node"), [(300, 7), (1, 1), (0, 3), (2000, 2)])
+def test_float64_grouped_sum_matches_float64_reference(
+    trailing: tuple[int, ...], n_edge: int, n_node: int
+) -> None:
+    """The float64 assembly path: rows already grouped (order=None), float64 accumulation; long
+    segments (1000 rows) take the wide position tile."""
+    index, _, row_ptr = _graph(n_edge, n_node, seed=n_edge)
+    rows = torch.randn(n_edge, *trailing, device=DEVICE, dtype=torch.float64) * 1e3
+    rows = rows.index_select(0, torch.argsort(index, stable=True))
+    expected = torch.zeros(n_node, *trailing, device=DEVICE, dtype=torch.float64)
+    expected.index_add_(0, index.sort().values, rows)
+    got = segment_sum(rows, None, row_ptr)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-13)
+    assert torch.equal(got, segment_sum(rows, None, row_ptr))
+    torch.testing.assert_close(segment_sum_reference(rows, None, row_ptr), expected)
+    values = torch.randn(n_node, *trailing, device=DEVICE, dtype=torch.float64)
+    gathered = values[index.sort().values]
+    assert torch.equal(segment_broadcast(values, None, row_ptr, n_edge), gathered)
+    assert torch.equal(segment_broadcast_reference(values, None, row_ptr, n_edge), gathered)
+
+
+@fused_only
+def test_float64_gradients_to_second_order_with_identity_order() -> None:
+    def grouped_sum(r: torch.Tensor, order: torch.Tensor, row_ptr: torch.Tensor) -> torch.Tensor:
+        return segment_sum(r.index_select(0, order), None, row_ptr)
+
+    def grouped_bcast(v: torch.Tensor, order: torch.Tensor, row_ptr: torch.Tensor) -> torch.Tensor:
+        back = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0]).to(order))
+        return segment_broadcast(v, None, row_ptr, order.shape[0]).index_select(0, back)
+
+    fused = _second_order(grouped_sum, grouped_bcast, torch.float64)
+    reference = _second_order(segment_sum_reference, segment_broadcast_reference, torch.float64)
+    for got, want in zip(fused, reference, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.gpu
@@ -183,3 +238,28 @@ def test_gpu_realistic_size() -> None:
                                atol=1e-4, rtol=1e-5)  # fmt: skip
     values = torch.randn(n_node, 9, 128, device="cuda", generator=gen)
     assert torch.equal(segment_broadcast(values, order, row_ptr), values[index])
+
+
+@pytest.mark.gpu
+def test_gpu_float64_assembly_sizes() -> None:
+    """The assembly's float64 sums at 12k-atom scale: per-atom over dst-sorted edges (grouped)
+    and over the src CSR, then per-structure over 12k atoms in one segment; bitwise repeatable."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    n_node, n_edge = 12_288, 1_100_000
+    index = torch.randint(0, n_node, (n_edge,), device="cuda", generator=gen).sort().values
+    _, row_ptr = csr_from_index(index, n_node)
+    rows = torch.randn(n_edge, 3, 3, device="cuda", generator=gen, dtype=torch.float64)
+    expected = torch.zeros(n_node, 3, 3, device="cuda", dtype=torch.float64)
+    expected.index_add_(0, index, rows)
+    per_atom = segment_sum(rows, None, row_ptr)
+    torch.testing.assert_close(per_atom, expected, atol=1e-10, rtol=1e-12)
+    assert torch.equal(per_atom, segment_sum(rows, None, row_ptr))
+    src_order = torch.randperm(n_edge, device="cuda", generator=gen)
+    permuted = segment_sum(rows, src_order, row_ptr)
+    torch.testing.assert_close(
+        permuted, torch.zeros_like(expected).index_add_(0, index, rows[src_order]),
+        atol=1e-10, rtol=1e-12,
+    )  # fmt: skip
+    one_structure = torch.tensor([0, n_node], device="cuda")
+    total = segment_sum(per_atom, None, one_structure)
+    torch.testing.assert_close(total[0], rows.sum(0), atol=1e-9, rtol=1e-12)

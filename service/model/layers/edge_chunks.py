@@ -7,8 +7,9 @@ chunk by chunk and, under autograd, recompute each chunk in the backward instead
 per-edge activations (:mod:`service.model.layers.so2conv`): peak memory then scales with the
 chunk, not with the system.
 
-A chunk carries its own CSR views: the destination offsets relative to the chunk, and a source
-CSR over the chunk's edges (the rotate-mix backward reduces node gradients over it).
+A chunk carries its own CSR views: the destination offsets relative to the chunk (the chunk's
+edges are already in destination order, so the destination CSR needs no order array), and a
+source CSR over the chunk's edges (the rotate-mix backward reduces node gradients over it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from service.model.layers.geometry import GraphLike
@@ -36,11 +36,14 @@ class EdgeChunk:
     src_order: Tensor  # (Ec,) int64 stable argsort of src
     src_rowptr: Tensor  # (N+1,) int64 source offsets over the chunk's edges
     dst_rowptr: Tensor  # (n1-n0+1,) int64 destination offsets relative to edge_start
-    dst_order: Tensor  # (Ec,) int64 identity: the chunk's edges are already in dst order
 
     @property
     def n_nodes(self) -> int:
         return self.node_stop - self.node_start
+
+    @property
+    def n_edges(self) -> int:
+        return self.edge_stop - self.edge_start
 
     @property
     def edges(self) -> slice:
@@ -78,7 +81,6 @@ def whole_graph(graph: GraphLike) -> EdgeChunk:
         src_order=graph.src_order,
         src_rowptr=graph.src_rowptr,
         dst_rowptr=graph.dst_rowptr,
-        dst_order=torch.arange(n_edge, device=graph.src.device),
     )
 
 
@@ -125,7 +127,6 @@ def plan_edge_chunks(graph: GraphLike, max_edges: int | None) -> list[EdgeChunk]
                 src_order=src_order,
                 src_rowptr=src_rowptr,
                 dst_rowptr=graph.dst_rowptr[n0 : n1 + 1] - e0,
-                dst_order=torch.arange(e1 - e0, device=src.device),
             )
         )
     return chunks

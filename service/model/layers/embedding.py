@@ -92,7 +92,9 @@ def _zonal_gather_index(lmax: int, device: torch.device) -> tuple[Tensor, Tensor
     degree = degree_of_packed_rows(lmax)[1:]
     column = torch.arange(1, (lmax + 1) ** 2)
     zonal_row = degree * degree + degree
-    return zonal_row.to(device), column.to(device), degree.to(device)
+    # Normal tensors even when first built under inference mode: autograd saves gather indices.
+    with torch.inference_mode(False):
+        return zonal_row.to(device), column.to(device), degree.to(device)
 
 
 def geometric_initial_embedding(cache: EdgeCacheLike, radial: Tensor, n_nodes: int) -> Tensor:

@@ -112,14 +112,14 @@ class EdgeOps:
         """``(Ec, *S) → (n_chunk, *S)``: sum over each destination's edges."""
         c = self.chunk
         if self.fused:
-            return segment_sum(rows, c.dst_order, c.dst_rowptr)
+            return segment_sum(rows, None, c.dst_rowptr)
         return sum_into_dst(rows, c.dst, c.n_nodes)
 
     def from_dst(self, values: Tensor) -> Tensor:
         """``(n_chunk, *S) → (Ec, *S)``: each edge reads its destination's row."""
         c = self.chunk
         if self.fused:
-            return segment_broadcast(values, c.dst_order, c.dst_rowptr)
+            return segment_broadcast(values, None, c.dst_rowptr, c.n_edges)
         return values.index_select(0, c.dst)
 
     def from_src(self, values: Tensor) -> Tensor:
