@@ -233,7 +233,8 @@ class CapturedSteps:
         torch.cuda.current_stream(self._device).wait_stream(side)
         before = torch.cuda.memory_reserved(self._device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: the service's other threads (HTTP, metrics) may touch CUDA meanwhile.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outputs = self._step(static)
         pool_bytes = torch.cuda.memory_reserved(self._device) - before
         return _Recorded(graph, static, outputs, pool_bytes=max(pool_bytes, 0))
