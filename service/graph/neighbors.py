@@ -36,12 +36,12 @@ from service.graph.structures import Structures
 
 Backend = Literal["auto", "torch", "vesin"]
 
-VESIN_MAX_ATOMS = 4096
-"""``auto`` on CUDA: batches up to this many atoms go to vesin on the host. The device cell list
-is a few dozen small launches plus several host syncs (data-dependent sizes), a fixed ~10–40 ms
-on an H200 whatever the size, while vesin plus the host-side sort and one copy of the edge
-arrays costs about a millisecond per thousand water atoms at a 6 Å cutoff; beyond a few
-thousand atoms the device search wins."""
+VESIN_MAX_ATOMS = 384
+"""``auto`` on CUDA: batches up to this many atoms go to vesin on the host. Measured on an H200
+host (water, rcut 6 Å, `benchmarks/results/graph_h200_2026-11-29.json`): the device cell list
+costs a near-constant ~7 ms (a few dozen small launches and host syncs for data-dependent sizes)
+from 192 to 12k atoms, the host path (vesin, canonical order, CSRs, one copy) 5.2 ms at 192 atoms
+and ~21 ms at 1,536; they cross near 400 atoms."""
 
 
 @dataclass(frozen=True)

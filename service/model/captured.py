@@ -4,7 +4,9 @@ A 192-atom step launches ~1,400 kernels that each run for microseconds: eager ex
 by the host (Python, dispatcher, launches), not by the GPU. Below :data:`CAPTURE_MAX_ATOMS` atoms
 :class:`CapturedSteps` therefore records the whole device part of one step once per *shape
 bucket* — edge vectors → edge cache → model → energies → ``autograd.grad`` → force/virial
-assembly — and replays it, so a step costs one graph launch plus the host-side neighbour list.
+assembly — and replays it, so a step costs one graph launch plus the neighbour list (built on
+the host for the smallest batches, on the device above ``VESIN_MAX_ATOMS``; padding happens
+wherever the graph is, with shape-only arithmetic).
 
 Shape buckets. A graph has fixed shapes, so each batch is padded up to ``(N_pad, E_pad, B_pad)``
 (eight sizes per octave: at most 12.5 % padding). Padding is physically inert by construction,

@@ -6,9 +6,10 @@
     → E per structure (float64) → one autograd.grad(E, edge_vec) → forces, virial (CSR sums)
     → stress = −sym(W)/V
 
-Small batches on CUDA (below ``CAPTURE_MAX_ATOMS``) build their neighbour list on the host and
-replay a CUDA graph of everything after it (:mod:`service.model.captured`): one launch instead of
-~1,400. ``capture=False`` turns that off (training always runs eagerly).
+Small batches on CUDA (below ``CAPTURE_MAX_ATOMS``) build their neighbour list (on the host up
+to ``VESIN_MAX_ATOMS``) and replay a CUDA graph of everything after it
+(:mod:`service.model.captured`): one launch instead of ~1,400. ``capture=False`` turns that off
+(training always runs eagerly).
 
 Each phase runs under a ``so2serve::<phase>`` profiler range (graph, edge_cache, model, backward,
 assembly; free when no profiler is active), so benchmarks/model.py --profile can split a step.
@@ -35,7 +36,7 @@ from torch.profiler import record_function
 from service.graph.assembly import assemble_forces_virial, stress_from_virial
 from service.graph.edge_cache import build_edge_cache
 from service.graph.errors import InvalidStructureError
-from service.graph.neighbors import build_graph, edge_vectors
+from service.graph.neighbors import VESIN_MAX_ATOMS, build_graph, edge_vectors
 from service.graph.structures import Structures
 from service.model.captured import CapturedSteps, StepInputs, StepOutputs
 from service.model.config import ModelConfig
@@ -239,12 +240,12 @@ class Potential:
         types = self.atom_types(structures)
         want_grad = bool({"forces", "virial", "stress"} & set(properties))
         captured = self._captured if want_grad and not create_graph else None
-        if captured is not None and captured.accepts(structures.n_atoms, 0):
-            # Small batch: neighbour list on the host, padded there, one graph replay.
-            structures = structures.to("cpu")
-        else:
+        if captured is not None and not captured.accepts(structures.n_atoms, 0):
             captured = None
-            structures = structures.to(self.device)
+        # Replayed batches small enough for the host neighbour list stay on the host until their
+        # padded inputs are copied into the graph's buffers; everything else goes to the device.
+        on_host = captured is not None and structures.n_atoms <= VESIN_MAX_ATOMS
+        structures = structures.to("cpu" if on_host else self.device)
         with record_function("so2serve::graph"):
             graph = build_graph(structures, cfg.rcut)
         inputs = StepInputs(graph, structures.positions, structures.cells, types)
