@@ -1,16 +1,19 @@
 """Service benchmark (GPU; the lead runs it): HTTP overhead and throughput vs in-process.
 
-    python benchmarks/service.py [--model FILE] [--device cuda] [--duration 10]
+    python benchmarks/service.py [--model FILE] [--device cuda] [--quick]
     python benchmarks/service.py --device cpu --fake-model [--sizes 192 768] [--repeats 200]
 
-1. Per-request overhead: one water box of 192, 1,536 and 12,288 atoms, energy + forces, as
-   the in-process calculator sees it (``Structures.from_atoms`` → ``predict`` → host arrays)
-   and as an HTTP client sees it (encode → POST /evaluate → decode), JSON and msgpack;
-   medians, overhead = HTTP − in-process. Target: ≤ 1 ms at ≤ 1k atoms.
+1. Per-request overhead: one periodic water box of 192, 1,536 and 12,288 atoms, energy +
+   forces + stress, through the ASE calculators: ``SO2LocalCalculator`` (in process) against
+   ``SO2Calculator`` (HTTP, JSON and msgpack); medians, overhead = HTTP − in-process.
+   Target: ≤ 1 ms at ≤ 1k atoms.
 2. Throughput with 192-atom structures: 1, 8 and 64 concurrent HTTP clients (spread over
    several client processes so that Python on the client side is not the bottleneck) vs the
-   in-process potential serially (one structure per pass) and batched (64 per pass).
-   Target: 64 clients ≥ 80 % of in-process batched.
+   in-process potential serially (one structure per pass) and batched (64 per pass), with
+   the ratios. Target: 64 clients ≥ 80 % of in-process batched.
+
+The default run takes about 3 minutes on an H200 with the current model step; ``--quick``
+(fewer repeats, shorter throughput windows) about half that.
 
 The server runs in its own process (``so2serve serve``), started after the in-process phase
 has released the GPU memory. Without ``--model`` the shipped default model is used, or, if
@@ -33,6 +36,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -49,23 +53,28 @@ import httpx
 import numpy as np
 import torch
 from ase import Atoms
+from ase.calculators.calculator import Calculator, all_changes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clients.http import (  # noqa: E402
+    SO2Calculator,
     decode_response,
     encode_request,
     encode_structure,
     result_arrays,
 )
+from clients.local import SO2LocalCalculator  # noqa: E402
 from service.engine import Evaluator  # noqa: E402
 from service.graph.structures import Structures  # noqa: E402
 from service.model.potential import Potential, default_model_path, load_potential  # noqa: E402
 
 SIZES = (192, 1536, 12288)
 CLIENTS = (1, 8, 64)
-PROPERTIES = ("energy", "forces")
+PROPERTIES = ("energy", "forces", "stress")  # what the calculators ask for a periodic box
+LARGE = 5000  # atoms from which a size gets only LARGE_REPEATS timed calls
+LARGE_REPEATS = 3
 JSON, MSGPACK = "application/json", "application/msgpack"
 
 
@@ -106,7 +115,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -117,8 +126,22 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
+def repeats_for(n_atoms: int, repeats: int) -> int:
+    return repeats if n_atoms < LARGE else min(repeats, LARGE_REPEATS)
+
+
+def calculator_step(calculator: Calculator, atoms: Atoms) -> Callable[[], object]:
+    """One ASE evaluation as MD asks for it (cache bypassed: every call is computed)."""
+
+    def step() -> object:
+        calculator.calculate(atoms, PROPERTIES, all_changes)  # type: ignore[no-untyped-call]
+        return calculator.results
+
+    return step
+
+
 def in_process_step(potential: Evaluator, atoms: list[Atoms]) -> Callable[[], object]:
-    """What SO2LocalCalculator does per call: validate, predict, bring forces to the host."""
+    """A batched pass the way SO2LocalCalculator does one: validate, predict, host copies."""
 
     def step() -> object:
         prediction = potential.predict(Structures.from_atoms(atoms), PROPERTIES)
@@ -132,10 +155,11 @@ def in_process_phase(
     potential: Potential, sizes: list[int], batch: int, repeats: int
 ) -> dict[str, Any]:
     rows: dict[str, Any] = {"single_ms": {}}
+    calculator = SO2LocalCalculator(potential)
     for n in sizes:
         atoms = water_atoms(n)
         rows["single_ms"][str(len(atoms))] = median_ms(
-            in_process_step(potential, [atoms]), repeats if len(atoms) < 5000 else 5
+            calculator_step(calculator, atoms), repeats_for(len(atoms), repeats)
         )
     frames = [water_atoms(192, seed=k) for k in range(batch)]
     serial = median_ms(in_process_step(potential, frames[:1]), repeats)
@@ -185,36 +209,30 @@ def start_server(model: Path, device: str, port: int) -> subprocess.Popen[bytes]
     raise RuntimeError("the server was not ready within 10 minutes")
 
 
-def http_step(
-    client: httpx.Client, atoms: Atoms, binary: bool, timings: list[dict[str, float]]
-) -> Callable[[], object]:
-    """What SO2Calculator does per call: encode, POST, decode (server timings kept)."""
-    media = MSGPACK if binary else JSON
+def http_round_trip(url: str, atoms: Atoms, wire: str, repeats: int) -> dict[str, Any]:
+    """Median SO2Calculator call and the server's own median timings."""
+    timings: list[dict[str, float]] = []
+    with SO2Calculator(url, timeout=600, wire=wire) as calculator:  # type: ignore[arg-type]
+        compute = calculator_step(calculator, atoms)
 
-    def step() -> object:
-        body = encode_request([encode_structure(atoms, binary)], PROPERTIES, binary)
-        response = client.post(
-            "/evaluate", content=body, headers={"Content-Type": media, "Accept": media}
-        )
-        response.raise_for_status()
-        document = decode_response(response.content, response.headers["content-type"])
-        timings.append(document["provenance"]["timings"])
-        return document
+        def step() -> object:
+            results = compute()
+            assert calculator.provenance is not None
+            timings.append(calculator.provenance["timings"])
+            return results
 
-    return step
+        total = median_ms(step, repeats)
+    server = {k: statistics.median(t[k] for t in timings[-repeats:]) for k in timings[0]}
+    return {"round_trip_ms": total, "server_ms": server}
 
 
 def http_overhead_phase(url: str, sizes: list[int], repeats: int) -> dict[str, Any]:
     rows: dict[str, Any] = {}
-    with httpx.Client(base_url=url, timeout=120) as client:
-        for n in sizes:
-            atoms = water_atoms(n)
-            reps = repeats if len(atoms) < 5000 else 5
-            for name, binary in (("json", False), ("msgpack", True)):
-                timings: list[dict[str, float]] = []
-                total = median_ms(http_step(client, atoms, binary, timings), reps)
-                server = {k: statistics.median(t[k] for t in timings[-reps:]) for k in timings[0]}
-                rows[f"{len(atoms)}/{name}"] = {"round_trip_ms": total, "server_ms": server}
+    for n in sizes:
+        atoms = water_atoms(n)
+        for wire in ("json", "msgpack"):
+            reps = repeats_for(len(atoms), repeats)
+            rows[f"{len(atoms)}/{wire}"] = http_round_trip(url, atoms, wire, reps)
     return rows
 
 
@@ -252,24 +270,31 @@ def _client_process(args: tuple[str, int, float]) -> tuple[list[float], float]:
     return asyncio.run(_client_loop(url, bodies, clients, duration))
 
 
+CLIENT_PROCESSES = 8
+
+
 def throughput_phase(url: str, client_counts: list[int], duration: float) -> dict[str, Any]:
     rows: dict[str, Any] = {}
-    ctx = multiprocessing.get_context("spawn")
-    for clients in client_counts:
-        processes = min(clients, 8)
-        shares = [clients // processes + (k < clients % processes) for k in range(processes)]
-        with ctx.Pool(processes) as pool:
-            results = pool.map(_client_process, [(url, s, duration) for s in shares])
-        latencies = [x for r, _ in results for x in r]
-        elapsed = max(t for _, t in results)
-        rows[str(clients)] = {
-            "requests": len(latencies),
-            "seconds": elapsed,
-            "atom_steps_per_s": len(latencies) * 192 / elapsed,
-            "latency_p50_ms": float(np.percentile(latencies, 50) * 1e3),
-            "latency_p99_ms": float(np.percentile(latencies, 99) * 1e3),
-        }
+    # One pool for all client counts: starting a process imports torch (seconds each).
+    with multiprocessing.get_context("spawn").Pool(CLIENT_PROCESSES) as pool:
+        for clients in client_counts:
+            processes = min(clients, CLIENT_PROCESSES)
+            shares = [clients // processes + (k < clients % processes) for k in range(processes)]
+            results = pool.map(_client_process, [(url, s, duration) for s in shares], chunksize=1)
+            rows[str(clients)] = throughput_row(results)
     return rows
+
+
+def throughput_row(results: list[tuple[list[float], float]]) -> dict[str, Any]:
+    latencies = [x for r, _ in results for x in r]
+    elapsed = max(t for _, t in results)
+    return {
+        "requests": len(latencies),
+        "seconds": elapsed,
+        "atom_steps_per_s": len(latencies) * 192 / elapsed,
+        "latency_p50_ms": float(np.percentile(latencies, 50) * 1e3),
+        "latency_p99_ms": float(np.percentile(latencies, 99) * 1e3),
+    }
 
 
 # CPU micro-benchmark with a do-nothing model (--fake-model)
@@ -373,7 +398,7 @@ def stage_breakdown(atoms: Atoms, binary: bool, repeats: int) -> dict[str, float
         forces=np.zeros((n, 3)),
         energies=None,
         virial=None,
-        stress=None,
+        stress=np.zeros((1, 6)),
         atom_ptr=np.array([0, n]),
         timings=EvaluationTimings(0.0, 0.0, 1),
     )
@@ -402,30 +427,26 @@ def fake_model_main(args: argparse.Namespace) -> None:
     port = free_port()
     server = start_null_server(port)
     rows: dict[str, Any] = {}
+    url = f"http://127.0.0.1:{port}"
+    local = SO2LocalCalculator(evaluator)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            for n in sizes:
-                atoms = water_atoms(n)
-                in_process = median_ms(in_process_step(evaluator, [atoms]), args.repeats)
-                for name, binary in (("json", False), ("msgpack", True)):
-                    timings: list[dict[str, float]] = []
-                    step = http_step(client, atoms, binary, timings)
-                    round_trip = median_ms(step, args.repeats)
-                    server_ms = {
-                        k: statistics.median(t[k] for t in timings[-args.repeats :])
-                        for k in timings[0]
-                    }
-                    stages = stage_breakdown(atoms, binary, args.repeats)
-                    rows[f"{len(atoms)}/{name}"] = {
-                        "round_trip_ms": round_trip,
-                        "in_process_ms": in_process,
-                        "overhead_ms": round_trip - in_process,
-                        "server_timings_ms": server_ms,
-                        "stages_ms": stages,
-                        "engine_handoff_ms": handoff,
-                        # HTTP (client and server), ASGI, routing: what the stages leave.
-                        "http_and_framework_ms": round_trip - sum(stages.values()) - handoff,
-                    }
+        for n in sizes:
+            atoms = water_atoms(n)
+            in_process = median_ms(calculator_step(local, atoms), args.repeats)
+            for wire in ("json", "msgpack"):
+                http = http_round_trip(url, atoms, wire, args.repeats)
+                stages = stage_breakdown(atoms, wire == "msgpack", args.repeats)
+                round_trip = http["round_trip_ms"]
+                rows[f"{len(atoms)}/{wire}"] = {
+                    "round_trip_ms": round_trip,
+                    "in_process_ms": in_process,
+                    "overhead_ms": round_trip - in_process,
+                    "server_timings_ms": http["server_ms"],
+                    "stages_ms": stages,
+                    "engine_handoff_ms": handoff,
+                    # HTTP (client and server), ASGI, routing: what the stages leave.
+                    "http_and_framework_ms": round_trip - sum(stages.values()) - handoff,
+                }
     finally:
         server.terminate()
         server.join(30)
@@ -451,11 +472,16 @@ def fake_model_main(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    # A plain SIGTERM (e.g. `timeout`) must still run the `finally` that stops the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model file (default: shipped, else random bar config)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per client count")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per client count")
+    parser.add_argument(
+        "--quick", action="store_true", help="8 repeats and 4 s per client count (GPU smoke run)"
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
     parser.add_argument("--out", type=Path, default=None)
@@ -463,6 +489,8 @@ def main() -> None:
         "--fake-model", action="store_true", help="CPU overhead breakdown with a do-nothing model"
     )
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.duration = min(args.repeats, 8), min(args.duration, 4.0)
     if args.fake_model:
         fake_model_main(args)
         return
@@ -493,6 +521,10 @@ def main() -> None:
     for key, row in overhead.items():
         row["overhead_ms"] = row["round_trip_ms"] - in_process["single_ms"][key.split("/")[0]]
     batched = in_process[f"batched_{batch}x192"]["atom_steps_per_s"]
+    serial = in_process["serial_192"]["atom_steps_per_s"]
+    for row in throughput.values():
+        row["vs_in_process_batched"] = row["atom_steps_per_s"] / batched
+        row["vs_in_process_serial"] = row["atom_steps_per_s"] / serial
     result = {
         "benchmark": "service",
         "date": datetime.now(UTC).isoformat(),
@@ -518,7 +550,20 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    print_summary(overhead, throughput)
     print(f"wrote {out}")
+
+
+def print_summary(overhead: dict[str, Any], throughput: dict[str, Any]) -> None:
+    print(f"{'case':>14} {'HTTP':>10} {'overhead':>9}  (ms, medians; target ≤ 1 ms at ≤ 1k atoms)")
+    for key, row in overhead.items():
+        print(f"{key:>14} {row['round_trip_ms']:10.3f} {row['overhead_ms']:9.3f}")
+    print(f"{'clients':>8} {'atom-steps/s':>13} {'/batched':>9} {'/serial':>8} {'p50 ms':>8}")
+    for clients, row in throughput.items():
+        print(
+            f"{clients:>8} {row['atom_steps_per_s']:13.0f} {row['vs_in_process_batched']:9.2f} "
+            f"{row['vs_in_process_serial']:8.2f} {row['latency_p50_ms']:8.1f}"
+        )
 
 
 def _version(package: str) -> str:

@@ -1,6 +1,7 @@
 """``SO2Calculator``: an ASE calculator that evaluates through a running so2serve service.
 
-One persistent HTTP connection (keep-alive) per calculator; positions travel as JSON for small
+One persistent HTTP connection (keep-alive, ``clients/_connection.py``) per calculator;
+positions travel as JSON for small
 systems and as msgpack with raw little-endian float64 for large ones (``wire="auto"``); both
 carry float64 exactly, so the numbers equal the in-process calculator's bit for bit. Transient
 failures (connection errors, 502/503/504) are retried with backoff; everything else raises
@@ -14,13 +15,13 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
-import httpx
 import msgpack
 import numpy as np
 import orjson
 from ase import Atoms
 from ase.calculators.calculator import CalculationFailed, Calculator, all_changes
 
+from clients._connection import KeepAliveConnection, Reply, TransportError
 from clients._properties import IMPLEMENTED_PROPERTIES, properties_to_compute
 
 WireChoice = Literal["auto", "json", "msgpack"]
@@ -87,18 +88,16 @@ def result_arrays(result: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def error_from_response(response: httpx.Response) -> ServiceError:
-    """The server's ``{code, message, detail}`` as a ``ServiceError``."""
+def error_from_response(status: int, content: bytes) -> ServiceError:
+    """The server's ``{code, message, detail}`` error body as a ``ServiceError``."""
     try:
-        body = orjson.loads(response.content)
+        body = orjson.loads(content)
         code, message, detail = str(body["code"]), str(body["message"]), body.get("detail")
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        code, message, detail = f"http_{response.status_code}", response.text[:500], None
+        text = content[:500].decode("utf-8", "replace")
+        code, message, detail = f"http_{status}", text, None
     return ServiceError(
-        f"so2serve answered {response.status_code} {code}: {message}",
-        code=code,
-        status=response.status_code,
-        detail=detail,
+        f"so2serve answered {status} {code}: {message}", code=code, status=status, detail=detail
     )
 
 
@@ -121,7 +120,6 @@ class SO2Calculator(Calculator):
             ``"json"`` or ``"msgpack"``.
         retries: attempts after the first on transient failures.
         backoff_s: first retry delay, doubled each attempt.
-        transport: an httpx transport to use instead of TCP (proxies, tests).
     """
 
     implemented_properties = IMPLEMENTED_PROPERTIES
@@ -136,7 +134,6 @@ class SO2Calculator(Calculator):
         binary_above_atoms: int = 1000,
         retries: int = 3,
         backoff_s: float = 0.25,
-        transport: httpx.BaseTransport | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
@@ -149,9 +146,7 @@ class SO2Calculator(Calculator):
         self.retries = retries
         self.backoff_s = backoff_s
         self.provenance: dict[str, Any] | None = None
-        self._http = httpx.Client(
-            base_url=url, timeout=timeout, headers=headers, transport=transport
-        )
+        self._http = KeepAliveConnection(url, timeout, headers)
 
     def calculate(
         self,
@@ -178,8 +173,8 @@ class SO2Calculator(Calculator):
 
     def info(self) -> dict[str, Any]:
         """The service's ``/info`` (model, execution path, limits)."""
-        response = self._request("GET", "/info", None, None)
-        info: dict[str, Any] = orjson.loads(response.content)
+        reply = self._request("GET", "/info", None, None)
+        info: dict[str, Any] = orjson.loads(reply.content)
         return info
 
     def close(self) -> None:
@@ -193,29 +188,29 @@ class SO2Calculator(Calculator):
         self.close()
 
     def _post(self, path: str, body: bytes, content_type: str) -> dict[str, Any]:
-        response = self._request("POST", path, body, content_type)
-        return decode_response(response.content, response.headers.get("content-type", _JSON))
+        reply = self._request("POST", path, body, content_type)
+        return decode_response(reply.content, reply.header("content-type", _JSON) or _JSON)
 
     def _request(
         self, method: str, path: str, body: bytes | None, content_type: str | None
-    ) -> httpx.Response:
+    ) -> Reply:
         headers = {"Content-Type": content_type} if content_type else None
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                response = self._http.request(method, path, content=body, headers=headers)
-            except httpx.TransportError as exc:
+                reply = self._http.request(method, path, body, headers)
+            except TransportError as exc:
                 if last:
                     raise ServiceError(
-                        f"so2serve at {self.url} unreachable: {type(exc).__name__}: {exc}",
+                        f"so2serve at {self.url} unreachable: {exc}",
                         code="unreachable",
                         status=None,
                     ) from exc
                 time.sleep(retry_delay(attempt, self.backoff_s, None))
                 continue
-            if response.status_code < 400:
-                return response
-            if response.status_code not in _TRANSIENT_STATUS or last:
-                raise error_from_response(response)
-            time.sleep(retry_delay(attempt, self.backoff_s, response.headers.get("retry-after")))
+            if reply.status < 400:
+                return reply
+            if reply.status not in _TRANSIENT_STATUS or last:
+                raise error_from_response(reply.status, reply.content)
+            time.sleep(retry_delay(attempt, self.backoff_s, reply.header("retry-after")))
         raise AssertionError("unreachable: the loop returns or raises on its last attempt")

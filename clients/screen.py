@@ -189,7 +189,7 @@ class _HttpBackend:
             if response.status_code < 400:
                 document = decode_response(response.content, response.headers["content-type"])
                 return [result_arrays(r) for r in document["results"]]
-            error = error_from_response(response)
+            error = error_from_response(response.status_code, response.content)
             if response.status_code in _FATAL_STATUS:
                 raise ScreenAborted(str(error))
             if response.status_code not in _TRANSIENT_STATUS:

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.deps import ServiceState
 from service.api.errors import install_error_handlers
-from service.api.routes import api_router, health_router
+from service.api.routes import api_router, evaluate_router, health_router
 from service.api.schemas import EvaluateRequest
 from service.api.settings import ServiceSettings
 from service.engine import BatchLimits, Engine, Evaluator, ServiceMetrics, Worker
@@ -31,6 +31,10 @@ from service.engine import BatchLimits, Engine, Evaluator, ServiceMetrics, Worke
 log = logging.getLogger("so2serve.api")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+KEEP_ALIVE_S = 120
+"""Idle keep-alive connections are kept this long (uvicorn's default, 5 s, makes a client that
+pauses between steps — an optimizer writing output, a screening script — reconnect)."""
 
 
 def server_version() -> str:
@@ -200,11 +204,11 @@ def create_app(
     )
     app.state.service = state
     install_error_handlers(app)
-    app.include_router(health_router)
-    app.include_router(api_router)
-    routes = frozenset(
-        getattr(route, "path", "") for r in (health_router, api_router) for route in r.routes
-    )
+    # Routes are matched in order: the hot one first.
+    routers = (evaluate_router, health_router, api_router)
+    for router in routers:
+        app.include_router(router)
+    routes = frozenset(getattr(route, "path", "") for r in routers for route in r.routes)
     app.add_middleware(RequestContextMiddleware, state=state, routes=routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
@@ -223,4 +227,5 @@ def serve(settings: ServiceSettings) -> None:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=30,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )

@@ -1,7 +1,8 @@
 """FastAPI dependencies: the per-app state, the engine, the API key check.
 
-All are ``async def``: FastAPI runs a plain ``def`` dependency in a worker thread, and those
-hops (several per request) cost more than the whole rest of a small request.
+The dependencies are ``async def``: FastAPI runs a plain ``def`` dependency in a worker thread,
+and those hops cost more than the whole rest of a small request. The checks they wrap are
+plain functions, which ``/evaluate`` calls directly (see ``routes.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ async def get_state(request: Request) -> ServiceState:
 State = Annotated[ServiceState, Depends(get_state)]
 
 
-async def get_engine(state: State) -> Engine:
+def engine_when_ready(state: ServiceState) -> Engine:
     """The engine, once the model is loaded and warmed up (else 503 not_ready)."""
     if not state.ready or state.engine is None:
         raise ApiError(
@@ -50,6 +51,10 @@ async def get_engine(state: State) -> Engine:
     return state.engine
 
 
+async def get_engine(state: State) -> Engine:
+    return engine_when_ready(state)
+
+
 def _presented_key(request: Request) -> str | None:
     key = request.headers.get("x-api-key")
     if key is not None:
@@ -58,7 +63,7 @@ def _presented_key(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def require_api_key(request: Request, state: State) -> None:
+def require_api_key(request: Request, state: ServiceState) -> None:
     """401 unless the request carries the server's key (when it has one)."""
     expected = state.settings.api_key
     if expected is None:
@@ -76,5 +81,9 @@ async def require_api_key(request: Request, state: State) -> None:
         )
 
 
+async def authorized(request: Request, state: State) -> None:
+    require_api_key(request, state)
+
+
 EngineDep = Annotated[Engine, Depends(get_engine)]
-Authorized = Depends(require_api_key)
+Authorized = Depends(authorized)

@@ -1,11 +1,14 @@
-"""HTTP routes: /evaluate, /info, /metrics (behind the API key) and /health/* (open)."""
+"""HTTP routes: /evaluate, /info, /metrics (behind the API key) and /health/* (open).
+
+``/evaluate`` is the hot path (an MD client calls it every step), so it takes the bare
+``Request`` and does its two checks (API key, model ready) inline: FastAPI's dependency
+resolution for them measured ~60 µs per request, against a 1 ms overhead budget.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 import orjson
@@ -13,7 +16,14 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from service.api.deps import Authorized, EngineDep, ServiceState, State
+from service.api.deps import (
+    Authorized,
+    EngineDep,
+    ServiceState,
+    State,
+    engine_when_ready,
+    require_api_key,
+)
 from service.api.errors import JSON_MEDIA_TYPE, ApiError, error_response
 from service.api.schemas import (
     ErrorResponse,
@@ -41,6 +51,7 @@ CLIENT_CLOSED_REQUEST = 499
 
 health_router = APIRouter(tags=["health"])
 api_router = APIRouter(dependencies=[Authorized])
+evaluate_router = APIRouter()  # checks the key itself
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 422, 500, 503, 507)
@@ -97,7 +108,7 @@ async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
-@api_router.post(
+@evaluate_router.post(
     "/evaluate",
     response_model=EvaluateResponse,
     responses=_ERRORS,
@@ -111,12 +122,15 @@ async def metrics(state: State) -> Response:
         }
     },
 )
-async def evaluate(request: Request, state: State, engine: EngineDep) -> Response:
+async def evaluate(request: Request) -> Response:
     """Energy (and forces, stress, per-atom energies, virial) of each structure.
 
     Body: ``EvaluateRequest`` as JSON or msgpack (see the wire formats in ``schemas.py``).
     """
     t_start = time.perf_counter()
+    state: ServiceState = request.app.state.service
+    require_api_key(request, state)
+    engine = engine_when_ready(state)
     fmt_in = request_format(request.headers.get("content-type"))
     fmt_out = response_format(request.headers.get("accept"), fmt_in)
     body = await _read_body(request, state.settings.max_body_bytes)
@@ -125,7 +139,7 @@ async def evaluate(request: Request, state: State, engine: EngineDep) -> Respons
     else:
         parsed, structures = parse_evaluate(body, fmt_in)
     t_decoded = time.perf_counter()
-    result = await _unless_disconnected(request, engine.evaluate(structures, parsed.properties))
+    result = await _unless_disconnected(request, engine.submit(structures, parsed.properties))
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     periodic = structures.pbc.all(dim=1).numpy()
@@ -184,26 +198,22 @@ def _body_too_large(size: int, limit: int) -> ApiError:
 
 
 async def _unless_disconnected(
-    request: Request, evaluation: Coroutine[Any, Any, EvaluationResult]
+    request: Request, evaluation: asyncio.Future[EvaluationResult]
 ) -> EvaluationResult | None:
-    """Await the evaluation, or cancel it (and return None) if the client goes away first.
+    """Wait for the evaluation, or cancel it (and return None) if the client goes away first.
 
     Once the body is read, the next ASGI message is ``http.disconnect``, which arrives only
     when the connection drops; cancelling the evaluation withdraws whatever has not started.
     """
-    work = asyncio.ensure_future(evaluation)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((evaluation, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
+        evaluation.cancel()  # no-op once it has a result
+    if evaluation.cancelled():
         return None
-    return work.result()
+    return evaluation.result()
 
 
 async def _disconnected(request: Request) -> None:

@@ -89,20 +89,18 @@ def estimate_edges(structures: Structures, rcut: float) -> np.ndarray:
     """(B,) expected directed neighbour pairs per structure, n·ρ·(4/3)πr³.
 
     ρ is measured from the cell of fully periodic structures; otherwise ``REFERENCE_DENSITY``,
-    and a finite molecule cannot have more than n−1 neighbours per atom.
+    and a finite molecule cannot have more than n−1 neighbours per atom. Whole-batch numpy
+    without masks or gathers: this runs on the event loop for every request.
     """
     n_atoms = np.diff(structures.ptr.cpu().numpy()).astype(np.float64)
     pbc = structures.pbc.cpu().numpy()
-    periodic = pbc.all(axis=1)
-    density = np.full_like(n_atoms, REFERENCE_DENSITY)
-    if periodic.any():  # (determinants only where there is a full cell)
-        volume = np.abs(np.linalg.det(structures.cells.detach().cpu().numpy()[periodic]))
-        rows = np.flatnonzero(periodic)[volume > 0]
-        density[rows] = n_atoms[rows] / volume[volume > 0]
-    neighbours = density * (4.0 / 3.0) * math.pi * rcut**3
-    isolated = ~pbc.any(axis=1)
-    neighbours[isolated] = np.minimum(neighbours[isolated], n_atoms[isolated] - 1.0)
-    return n_atoms * neighbours
+    volume = np.abs(np.linalg.det(structures.cells.detach().cpu().numpy()))
+    measured = pbc.all(axis=1) & (volume > 0)
+    density = np.where(measured, n_atoms / np.where(measured, volume, 1.0), REFERENCE_DENSITY)
+    neighbours = density * ((4.0 / 3.0) * math.pi * rcut**3)
+    neighbours = np.where(pbc.any(axis=1), neighbours, np.minimum(neighbours, n_atoms - 1.0))
+    estimate: np.ndarray = n_atoms * neighbours
+    return estimate
 
 
 @dataclass(eq=False)
@@ -283,20 +281,25 @@ class Engine:
             await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
             self._executor = None
 
+    def submit(
+        self, structures: Structures, properties: Collection[str]
+    ) -> asyncio.Future[EvaluationResult]:
+        """Queue a validated request; the future resolves with its result or fails with the
+        typed errors of ``service.engine.errors``. Refusals at admission (too many atoms, an
+        element the model does not know: ``InvalidStructureError``, full queue) raise here.
+
+        Cancelling the future (or a task awaiting it) withdraws whatever part of the request
+        has not started. A bare future rather than a task: no extra scheduling step per request.
+        """
+        job = self._admit(structures, frozenset(properties))
+        job.future.add_done_callback(lambda f: self._withdraw(job) if f.cancelled() else None)
+        return job.future
+
     async def evaluate(
         self, structures: Structures, properties: Collection[str]
     ) -> EvaluationResult:
-        """Evaluate a validated request. Raises the typed errors of ``service.engine.errors``
-        (and ``InvalidStructureError`` for an element the model does not know).
-
-        Cancelling the awaiting task withdraws whatever part of the request has not started.
-        """
-        job = self._admit(structures, frozenset(properties))
-        try:
-            return await job.future
-        except asyncio.CancelledError:
-            self._withdraw(job)
-            raise
+        """``submit`` and wait for the result."""
+        return await self.submit(structures, properties)
 
     # admission
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import numpy as np
+import orjson
 import pytest
 import torch
 from ase import Atoms, units
@@ -126,34 +130,85 @@ def test_unreachable_service_fails_after_retries() -> None:
     assert info.value.code == "unreachable"
 
 
+class ScriptedHandler(BaseHTTPRequestHandler):
+    """Answers POSTs from the server's ``script`` of (status, body, headers), in turn; the
+    last entry repeats. HTTP/1.1, so connections are kept alive."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        server: ScriptedServer = self.server  # type: ignore[assignment]
+        server.attempts += 1
+        status, body, headers = server.script[min(server.attempts, len(server.script)) - 1]
+        payload = orjson.dumps(body)
+        self.send_response(status)
+        for name, value in {"Content-Type": "application/json", **headers}.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+class ScriptedServer(ThreadingHTTPServer):
+    def __init__(self, script: list[tuple[int, object, dict[str, str]]]) -> None:
+        super().__init__(("127.0.0.1", 0), ScriptedHandler)
+        self.script = script
+        self.attempts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@contextmanager
+def scripted(script: list[tuple[int, object, dict[str, str]]]) -> Iterator[ScriptedServer]:
+    server = ScriptedServer(script)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+BUSY = (503, {"code": "queue_full", "message": "queue full", "detail": None}, {"Retry-After": "0"})
+ONE_H = (200, {"results": [{"n_atoms": 1, "energy": -1.5, "forces": [[0.0, 0.0, 0.5]]}]}, {})
+
+
 def test_transient_503_is_retried_then_reported() -> None:
-    attempts: list[int] = []
-    busy = httpx.Response(
-        503,
-        json={"code": "queue_full", "message": "queue full", "detail": None},
-        headers={"Retry-After": "0"},
-    )
+    with scripted([BUSY, BUSY, ONE_H]) as server:
+        atom = Atoms("H", positions=[[0, 0, 0]])
+        atom.calc = SO2Calculator(server.url, retries=3, backoff_s=0.001)
+        assert atom.get_potential_energy() == -1.5 and server.attempts == 3
+        assert atom.get_forces().tolist() == [[0.0, 0.0, 0.5]]
 
-    def flaky(request: httpx.Request) -> httpx.Response:
-        attempts.append(1)
-        if len(attempts) < 3:
-            return busy
-        return httpx.Response(
-            200,
-            json={"results": [{"n_atoms": 1, "energy": -1.5, "forces": [[0.0, 0.0, 0.5]]}]},
-        )
+    with scripted([BUSY]) as server:
+        always_busy = Atoms("H", positions=[[0, 0, 0]])
+        always_busy.calc = SO2Calculator(server.url, retries=2, backoff_s=0.001)
+        with pytest.raises(CalculationFailed, match="503 queue_full: queue full"):
+            always_busy.get_potential_energy()
+        assert server.attempts == 3
 
-    atom = Atoms("H", positions=[[0, 0, 0]])
-    atom.calc = SO2Calculator(transport=httpx.MockTransport(flaky), retries=3, backoff_s=0.001)
-    assert atom.get_potential_energy() == -1.5 and len(attempts) == 3
-    assert atom.get_forces().tolist() == [[0.0, 0.0, 0.5]]
 
-    always_busy = Atoms("H", positions=[[0, 0, 0]])
-    always_busy.calc = SO2Calculator(
-        transport=httpx.MockTransport(lambda _: busy), retries=2, backoff_s=0.001
-    )
-    with pytest.raises(CalculationFailed, match="503 queue_full: queue full"):
-        always_busy.get_potential_energy()
+def test_a_connection_the_server_closed_while_idle_is_replaced(
+    server: tuple[str, PairPotential],
+) -> None:
+    """uvicorn drops idle keep-alive connections; the next call must neither fail nor wait
+    for a retry backoff."""
+    atoms = small_molecule(seed=3)
+    atoms.calc = SO2Calculator(server[0], retries=0)
+    energy = atoms.get_potential_energy()
+    connection = atoms.calc._http._connection
+    assert connection is not None and connection.sock is not None
+    connection.sock.shutdown(socket.SHUT_RDWR)  # as if the server had closed it
+    atoms.positions[0, 0] += 0.01
+    assert atoms.get_potential_energy() != energy
+    assert atoms.calc._http._connection is not connection
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Test doubles: an analytic potential with the serving surface of ``Potential``, and a real
-uvicorn server on a free loopback port.
+uvicorn server on a free loopback port (in a thread, or as the ``so2serve serve`` command).
 
 ``PairPotential`` is a smooth Morse pair potential with a cosine cutoff, evaluated in float64
 with torch autograd, so its forces are exactly −∂E/∂r and its virial the strain derivative.
@@ -9,14 +9,19 @@ It can inject delays (to hold the device busy) and out-of-memory errors (above a
 from __future__ import annotations
 
 import math
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 import uvicorn
@@ -200,6 +205,50 @@ def running_server(app: FastAPI, *, timeout_s: float = 30.0) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout_s)
         sock.close()
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def serve_command(
+    model: Path, device: str, log: Path, *, timeout_s: float = 300.0
+) -> Iterator[str]:
+    """``so2serve serve --model MODEL --device DEVICE`` in its own process, on a free loopback
+    port; yields the base URL once ``/health/ready`` answers 200. Its output goes to ``log``."""
+    sock = free_port_socket()
+    port = sock.getsockname()[1]
+    sock.close()  # uvicorn binds it again; nothing else takes a fresh ephemeral port meanwhile
+    command = [sys.executable, "-m", "service.cli", "serve", "--model", str(model)]
+    command += ["--device", device, "--port", str(port), "--log-level", "warning"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _ready(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"so2serve serve did not become ready:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health/ready", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def rattled_copper(repeat: int = 2, seed: int = 0) -> Atoms:
