@@ -179,7 +179,8 @@ def free_port() -> int:
 
 
 def start_server(model: Path, device: str, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    inherited = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), inherited]))}
     command = [
         sys.executable,
         "-m",
