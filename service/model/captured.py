@@ -26,7 +26,7 @@ together they are bounded by :data:`MEMORY_FRACTION` of the device.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +44,11 @@ MAX_GRAPHS = 8
 MEMORY_FRACTION = 0.25
 """Device memory the recorded graphs may pin together (each graph owns a private pool holding
 its step's activations); beyond it the least recently used graphs are dropped."""
+RECORD_AFTER = 3
+"""A bucket is recorded on its third hit: MD and repeated screening shapes replay from the third
+step on, while the ever-changing batch shapes of a busy server (each recording costs about three
+eager steps and pins memory) run eagerly instead of thrashing the graph cache."""
+MAX_TRACKED_SHAPES = 4096
 WARMUP_STEPS = 2
 """Eager steps on a side stream before capture (compiles/caches Triton kernels, packs weights)."""
 
@@ -177,6 +182,7 @@ class CapturedSteps:
         self._rcut = rcut
         self._device = device
         self._graphs: OrderedDict[StepShape, _Recorded] = OrderedDict()
+        self._hits: Counter[StepShape] = Counter()
         self._weights = _weights_key(model)
         self._memory_budget = int(
             MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
@@ -189,18 +195,25 @@ class CapturedSteps:
     def n_graphs(self) -> int:
         return len(self._graphs)
 
-    def run(self, inputs: StepInputs) -> StepOutputs:
+    def run(self, inputs: StepInputs) -> StepOutputs | None:
         """The step's outputs for ``inputs`` (unpadded; best on the host, where the neighbour
         list of a small batch is built: padding then costs no launches), replayed from the
-        bucket's graph."""
+        bucket's graph; ``None`` while the bucket is not yet worth recording (the caller then
+        evaluates eagerly)."""
         g = inputs.graph
         key = _weights_key(self._model)
         if key != self._weights:
             self._graphs.clear()
             self._weights = key
         shape = StepShape.padded(g.n_atoms, g.n_edges, g.n_structures)
-        padded = pad_inputs(inputs, shape, self._rcut)
         recorded = self._graphs.get(shape)
+        if recorded is None:
+            if len(self._hits) > MAX_TRACKED_SHAPES:  # a server sees endless batch shapes
+                self._hits.clear()
+            self._hits[shape] += 1
+            if self._hits[shape] < RECORD_AFTER:
+                return None
+        padded = pad_inputs(inputs, shape, self._rcut)
         if recorded is None:
             recorded = self._record(padded.to(self._device))
             self._graphs[shape] = recorded

@@ -252,13 +252,14 @@ class Potential:
         edge_chunk = edge_chunk_for(
             self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph
         )
+        out = None
         if (
             captured is not None
             and edge_chunk is None
             and captured.accepts(graph.n_atoms, graph.n_edges)
         ):
-            out = self._replay_or_eager(captured, inputs)
-        else:
+            out = self._replay(captured, inputs)
+        if out is None:
             out = self._step(
                 inputs.to(self.device), want_grad=want_grad, create_graph=create_graph,
                 edge_chunk=edge_chunk,
@@ -276,9 +277,10 @@ class Potential:
             )
         return result
 
-    def _replay_or_eager(self, captured: CapturedSteps, inputs: StepInputs) -> StepOutputs:
-        """Replay; if capturing fails (an op that cannot be recorded), warn once, turn replay
-        off for this potential and evaluate eagerly: a request never fails for an optimisation."""
+    def _replay(self, captured: CapturedSteps, inputs: StepInputs) -> StepOutputs | None:
+        """Replay (``None``: evaluate eagerly). If capturing fails (an op that cannot be
+        recorded), warn once and turn replay off for this potential: a request never fails for
+        an optimisation."""
         try:
             return captured.run(inputs)
         except RuntimeError as exc:
@@ -289,7 +291,7 @@ class Potential:
             )
             self._captured = None
             torch.cuda.synchronize(self.device)
-            return self._step(inputs.to(self.device))
+            return None
 
     def _step(
         self,
