@@ -295,7 +295,7 @@ class _ResultStore:
             "id": item.id,
             "source": item.source,
             "frame": item.frame,
-            "formula": item.atoms.get_chemical_formula(),  # type: ignore[no-untyped-call]
+            "formula": item.atoms.get_chemical_formula(),
             "n_atoms": len(item.atoms),
         }
         if outcome.result is not None:
@@ -363,9 +363,9 @@ def _fmt(value: float | None) -> str:
 
 
 def _extxyz_frame(item: _Item, result: dict[str, Any]) -> bytes:
-    atoms = item.atoms.copy()  # type: ignore[no-untyped-call]
+    atoms = item.atoms.copy()
     atoms.info.update({"screen_id": item.id, "source": item.source, "frame": item.frame})
-    atoms.calc = SinglePointCalculator(  # type: ignore[no-untyped-call]
+    atoms.calc = SinglePointCalculator(
         atoms,
         energy=result["energy"],
         free_energy=result["energy"],
