@@ -2,8 +2,9 @@
 
 Cases are ``config:size,size,...`` (configs ``small``, ``medium`` and DeePMD's ``bar``); the
 default covers bar at 192/1536/12288 atoms and small/medium at 192/12288. Each case runs the fused
-path and the reference path (``compiled``, ``torch.compile`` of the reference, runs for the
-``--compile-configs`` up to ``--compile-max-atoms``) under every ``--memory`` mode and reports
+path (exact fp32, and ``fused-fp16x3``: the opt-in fast mixing-stack GEMM tier), and the reference
+path (``compiled``, ``torch.compile`` of the reference, runs for the ``--compile-configs`` up to
+``--compile-max-atoms``) under every ``--memory`` mode and reports
 ms/step, atom-steps/s, peak memory (MiB and MiB/atom) and the split of one step's CUDA time:
 phases (``so2serve::graph / edge_cache / model / backward / assembly`` profiler ranges of
 ``Potential.predict``) and kernels (so2kernels Triton kernels vs everything else). ``--profile``
@@ -11,18 +12,22 @@ also stores the top-30 CUDA kernels and CPU ops of that step and the number of k
 A (config, path, memory) series stops at its first out-of-memory; ``--find-max`` doubles past the
 last size until one does not fit.
 
-Agreement (always, unless ``--no-agreement``):
-(i) the shipped default water model (forces ~1 eV/Å): fused vs reference max |ΔF| on water
-    boxes (``--agreement-sizes``), target ≤ 1e-5 eV/Å;
+Agreement (always, unless ``--no-agreement``), for the exact fused tier (``fused_fp32``) and the
+fast one (``fused_fp16x3``) side by side:
+(i) the shipped default water model (forces ~1 eV/Å): each fused tier vs reference fp32 max |ΔF|
+    on water boxes (``--agreement-sizes``), target ≤ 1e-5 eV/Å; also vs reference fp64 at the
+    sizes of ``--fp64-sizes`` (fp64 at 12k atoms would not fit);
 (ii) the random bar model (forces up to ~250 eV/Å, E ≈ 4.6e4 eV, where fp32 noise alone is
-    ~1e-3 eV/Å): fused-fp32 vs reference-fp64 next to reference-fp32 vs reference-fp64, absolute
-    and relative to max |F| (``--fp64-sizes``), so the fused error can be read against fp32 noise.
+    ~1e-3 eV/Å): each fused tier and reference fp32 vs reference fp64 (and the fused tiers vs
+    reference fp32), absolute and relative to max |F| (``--fp64-sizes``), so the fused errors can
+    be read against fp32 noise.
 
 Results go to ``benchmarks/results/model_<date>.json``, rewritten after every row (a run cut by a
 time limit keeps what finished).
 
     python benchmarks/model.py --profile             # the default suite, ~5-8 min on an H200
     python benchmarks/model.py --cases bar:192,12288 --paths fused --memory fast lean --find-max
+    python benchmarks/model.py --cases bar:192,1536,12288 --paths fused fused-fp16x3 --profile
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +51,12 @@ sys.path.insert(0, str(ROOT))
 from service.graph.structures import StructureArrays, Structures  # noqa: E402
 from service.model.captured import CAPTURE_MAX_ATOMS, RECORD_AFTER  # noqa: E402
 from service.model.config import ModelConfig, preset  # noqa: E402
-from service.model.potential import MEMORY_MODES, Potential, load_potential  # noqa: E402
+from service.model.potential import (  # noqa: E402
+    MEMORY_MODES,
+    Potential,
+    Prediction,
+    load_potential,
+)
 from tests.model.randomized import randomized_model  # noqa: E402
 
 WATER_DIRS = (
@@ -62,6 +73,22 @@ def bar_config() -> ModelConfig:
         focus_dim=128, radial_so2_mode="degree_channel", radial_so2_rank=1, n_atten_head=1,
         ffn="s2", n_radial=16, rcut=6.0,
     )  # fmt: skip
+
+
+BENCH_PATHS = {
+    "fused": ("fused", "fp32"),
+    "fused-fp16x3": ("fused", "fp16x3"),
+    "reference": ("reference", "fp32"),
+    "compiled": ("reference", "fp32"),
+}
+"""Benchmark path name → (Potential path, precision); ``<name>-eager`` runs without CUDA graphs."""
+
+
+def parse_bench_path(name: str) -> tuple[str, str, bool]:
+    """``"fused-fp16x3-eager"`` → ``("fused", "fp16x3", True)`` (path, precision, eager)."""
+    base = name.removesuffix("-eager")
+    path, precision = BENCH_PATHS[base]
+    return path, precision, base != name
 
 
 CONFIGS = {
@@ -204,10 +231,10 @@ def run_case(
 ) -> dict[str, Any]:  # fmt: skip
     cfg = CONFIGS[cfg_name]()
     model = randomized_model(cfg)
-    base = path.removesuffix("-eager")
+    value_path, precision, eager = parse_bench_path(path)
     pot = Potential(
-        model, device="cuda", path="fused" if base == "fused" else "reference", memory=memory,
-        capture=False if base != path or base == "compiled" else None,
+        model, device="cuda", path=value_path, precision=precision, memory=memory,
+        capture=False if eager or path == "compiled" else None,
     )  # fmt: skip
     structures = water_box(n_atoms)  # on the host, as a request arrives
     if path == "compiled":
@@ -216,6 +243,7 @@ def run_case(
         "config": cfg_name,
         "n_atoms": int(structures.n_atoms),
         "path": path,
+        "precision": precision,
         "cuda_graphs": pot._captured is not None and n_atoms < CAPTURE_MAX_ATOMS,
         "memory": memory,
         "properties": list(props),
@@ -276,64 +304,104 @@ def run_series(
     )
 
 
+AGREEMENT_RUNS = {
+    "fused_fp32": ("fused", "fp32"),
+    "fused_fp16x3": ("fused", "fp16x3"),
+    "reference_fp32": ("reference", "fp32"),
+    "fp64": ("reference", "fp64"),
+}
+"""Runs of the agreement section: name → (Potential path, precision)."""
+COMPARED = (
+    ("fused_fp32", "reference_fp32"),
+    ("fused_fp16x3", "reference_fp32"),
+    ("fused_fp32", "fp64"),
+    ("fused_fp16x3", "fp64"),
+    ("reference_fp32", "fp64"),
+)
+
+
 def _max_abs(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     assert a is not None and b is not None
     return float((a - b).abs().max())
 
 
-def default_model_agreement(n_atoms: int) -> dict[str, Any]:
-    """Shipped default water model: fused vs reference (both fp32) on one water box."""
-    structures = water_box(n_atoms)
+def agreement_predictions(
+    make: Callable[[str, str], Potential], structures: Structures, runs: list[str]
+) -> dict[str, Prediction]:
+    """Energy and forces of ``structures`` for each named run of ``AGREEMENT_RUNS``; one
+    potential on the device at a time."""
     out = {}
-    for path in ("fused", "reference"):
-        pot = load_potential(None, device="cuda", path=path)
-        out[path] = pot.predict(structures.to(pot.device), ("energy", "forces"))
+    for name in runs:
+        pot = make(*AGREEMENT_RUNS[name])
+        out[name] = pot.predict(structures.to(pot.device), ("energy", "forces"))
         del pot
         torch.cuda.empty_cache()
-    forces = out["reference"].forces
+    return out
+
+
+def deviations(out: dict[str, Prediction], scale_f: float, scale_e: float) -> dict[str, Any]:
+    """``"<run>_vs_<baseline>"`` → max |ΔF|, max |ΔE| and both relative to the given scales, for
+    every pair of ``COMPARED`` whose runs are present."""
+    rows: dict[str, Any] = {}
+    for name, baseline in COMPARED:
+        if name in out and baseline in out:
+            d_f = _max_abs(out[name].forces, out[baseline].forces)
+            d_e = _max_abs(out[name].energy, out[baseline].energy)
+            rows[f"{name}_vs_{baseline}"] = {
+                "max_abs_dF": d_f,
+                "rel_dF": d_f / scale_f,
+                "max_abs_dE": d_e,
+                "rel_dE": d_e / scale_e,
+            }
+    return rows
+
+
+def default_model_agreement(n_atoms: int, with_fp64: bool) -> dict[str, Any]:
+    """Shipped default water model: both fused tiers vs reference fp32 (and fp64 if asked)."""
+    structures = water_box(n_atoms)
+    runs = [name for name in AGREEMENT_RUNS if with_fp64 or name != "fp64"]
+
+    def make(path: str, precision: str) -> Potential:
+        return load_potential(None, device="cuda", path=path, precision=precision)
+
+    out = agreement_predictions(make, structures, runs)
+    forces = out["reference_fp32"].forces
     assert forces is not None
+    scale_f = float(forces.abs().max())
     return {
         "model": "default",
         "n_atoms": int(structures.n_atoms),
-        "max_abs_F": float(forces.abs().max()),
-        "max_abs_dF_fused_vs_reference": _max_abs(out["fused"].forces, forces),
-        "max_abs_dE_fused_vs_reference": _max_abs(out["fused"].energy, out["reference"].energy),
+        "max_abs_F": scale_f,
+        "max_abs_E": float(out["reference_fp32"].energy.abs().max()),
+        "max_abs_dF_fused_vs_reference": _max_abs(out["fused_fp32"].forces, forces),
+        "max_abs_dE_fused_vs_reference": _max_abs(
+            out["fused_fp32"].energy, out["reference_fp32"].energy
+        ),
         "target_max_abs_dF": 1e-5,
+        **deviations(out, scale_f, float(out["reference_fp32"].energy.abs().max())),
     }
 
 
 def fp64_agreement(cfg_name: str, n_atoms: int) -> dict[str, Any]:
-    """Random model: fused fp32 and reference fp32, each against reference fp64."""
+    """Random model: both fused tiers and reference fp32 against reference fp64."""
     model = randomized_model(CONFIGS[cfg_name]())
     structures = water_box(n_atoms)
-    runs = {"fused": ("fused", "fp32"), "reference": ("reference", "fp32"),
-            "fp64": ("reference", "fp64")}  # fmt: skip
-    out = {}
-    for name, (path, precision) in runs.items():
-        pot = Potential(model, device="cuda", path=path, precision=precision)
-        out[name] = pot.predict(structures.to(pot.device), ("energy", "forces"))
-        del pot
-        torch.cuda.empty_cache()
-    exact_f, exact_e = out["fp64"].forces, out["fp64"].energy
+
+    def make(path: str, precision: str) -> Potential:
+        return Potential(model, device="cuda", path=path, precision=precision)
+
+    out = agreement_predictions(make, structures, list(AGREEMENT_RUNS))
+    exact_f = out["fp64"].forces
     assert exact_f is not None
     scale_f = float(exact_f.abs().max())
-    scale_e = float(exact_e.abs().max())
-    row: dict[str, Any] = {
+    scale_e = float(out["fp64"].energy.abs().max())
+    return {
         "model": f"random {cfg_name}",
         "n_atoms": int(structures.n_atoms),
         "max_abs_F": scale_f,
         "max_abs_E": scale_e,
+        **deviations(out, scale_f, scale_e),
     }
-    for name in ("fused", "reference"):
-        d_f = _max_abs(out[name].forces, exact_f)
-        d_e = _max_abs(out[name].energy, exact_e)
-        row[f"{name}_fp32_vs_fp64"] = {
-            "max_abs_dF": d_f,
-            "rel_dF": d_f / scale_f,
-            "max_abs_dE": d_e,
-            "rel_dE": d_e / scale_e,
-        }
-    return row
 
 
 def parse_cases(cases: list[str]) -> list[tuple[str, list[int]]]:
@@ -357,9 +425,12 @@ def main() -> None:
         "--cases", nargs="+", default=["bar:192,1536,12288", "small:192,12288", "medium:192,12288"]
     )
     parser.add_argument(
-        "--paths", nargs="+", default=["fused", "fused-eager", "reference", "compiled"],
-        choices=["fused", "fused-eager", "reference", "reference-eager", "compiled"],
-        help="'-eager' variants run without CUDA-graph replay of small steps",
+        "--paths", nargs="+",
+        default=["fused", "fused-eager", "fused-fp16x3", "reference", "compiled"],
+        choices=["fused", "fused-eager", "fused-fp16x3", "fused-fp16x3-eager", "reference",
+                 "reference-eager", "compiled"],
+        help="'-eager' variants run without CUDA-graph replay of small steps; 'fused-fp16x3' is "
+        "the fused path with the fast mixing-stack tier",
     )  # fmt: skip
     parser.add_argument("--compile-configs", nargs="*", default=["bar"])
     parser.add_argument("--compile-max-atoms", type=int, default=1536)
@@ -414,7 +485,7 @@ def main() -> None:
                     run_series(cfg_name, path, memory, sizes_here, args, emit)
     if not args.no_agreement:
         for n in args.agreement_sizes:
-            emit("agreement", default_model_agreement(n))
+            emit("agreement", default_model_agreement(n, with_fp64=n in args.fp64_sizes))
         for cfg_name in args.fp64_configs:
             for n in args.fp64_sizes:
                 emit("agreement", fp64_agreement(cfg_name, n))

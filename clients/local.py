@@ -27,7 +27,8 @@ class SO2LocalCalculator(Calculator):
             potential (anything with ``predict(structures, properties)``, e.g. ``Potential``).
         device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         path: execution path, ``"auto"``, ``"fused"`` or ``"reference"``.
-        precision: numerical tier of the fused path.
+        precision: ``"fp32"`` (exact), ``"fp64"`` (reference path) or ``"fp16x3"`` (opt-in
+            fast mixing-stack GEMMs, fused path only); reported in the potential's execution info.
 
     Invalid structures raise ``service.graph.errors.InvalidStructureError`` (a ValueError).
     """

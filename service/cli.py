@@ -37,7 +37,10 @@ def serve(
     execution: Annotated[
         str | None, typer.Option("--path", help="auto | fused | reference value path")
     ] = None,
-    precision: Annotated[str | None, typer.Option(help="numerical tier (fp32)")] = None,
+    precision: Annotated[
+        str | None,
+        typer.Option(help="fp32 (default) | fp64 (reference) | fp16x3 (fast stack GEMMs, fused)"),
+    ] = None,
     host: Annotated[
         str | None, typer.Option(help="address to listen on (default 127.0.0.1)")
     ] = None,

@@ -39,7 +39,11 @@ class ServiceSettings(BaseSettings):
     execution: Literal["auto", "fused", "reference"] = Field(
         default="auto", description="fused Triton path or eager reference; auto picks fused on CUDA"
     )
-    precision: str = Field(default="fp32", description="numerical tier of the fused path")
+    precision: Literal["fp32", "fp64", "fp16x3"] = Field(
+        default="fp32",
+        description="fp32 (exact), fp64 (reference path) or fp16x3 (opt-in fast mixing-stack "
+        "GEMMs; fused path only)",
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     api_key: SecretStr | None = Field(
@@ -81,6 +85,15 @@ class ServiceSettings(BaseSettings):
             raise ValueError(
                 f"refusing to listen on {self.host} without an API key: anyone who can reach "
                 "it could use the GPU. Set --api-key (or SO2SERVE_API_KEY), or pass --insecure"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fast_tier_needs_fused(self) -> ServiceSettings:
+        if self.precision == "fp16x3" and self.execution == "reference":
+            raise ValueError(
+                "precision fp16x3 runs in the fused kernels only: use --path fused or auto "
+                "(on CUDA), or precision fp32"
             )
         return self
 

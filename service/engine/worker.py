@@ -182,5 +182,10 @@ class Worker:
         return _Partial.join(left, right)
 
     def _release_cached_memory(self) -> None:
+        # A Potential also holds recorded CUDA graphs (private pools); evaluators without any
+        # (test fakes) simply lack the method.
+        release = getattr(self._evaluator, "release_cached_memory", None)
+        if callable(release):
+            release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -3,7 +3,8 @@
 ``DPA4Model(config)(types, cache) → atomic energies (N,) float64``. The model consumes a built edge
 cache (service.graph) and never builds graphs; forces/virials come from autograd through
 ``cache.vec`` (see service.model.potential). Which SO(2) value path runs (fused Triton ops or
-their eager references) is an argument of ``forward`` decided by the caller (Potential).
+their eager references) and the mixing stack's GEMM tier are arguments of ``forward`` decided by
+the caller (Potential).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from service.model.layers.geometry import EdgeCacheLike
 from service.model.layers.linear import MLP, Dense
 from service.model.layers.norms import EquivariantRMSNorm
 from service.model.layers.so2conv import SO2Convolution
+from so2kernels.mixing_stack import StackPrecision
 
 POST_SO2_NORM_EPS = 1.0
 """Post-SO(2) norm eps with ``edge_norm=False``: a unit floor, ``1/sqrt(1+var)`` (§4.1)."""
@@ -60,11 +62,13 @@ class InteractionBlock(nn.Module):
         taps: dict[str, Tensor] | None,
         prefix: str,
         chunks: list[EdgeChunk] | None = None,
+        stack_precision: StackPrecision = StackPrecision.EXACT,
     ) -> Tensor:
         conv_taps: dict[str, Tensor] | None = {} if taps is not None else None
         update = self.conv(
-            x, radial, cache, fused=fused, live_weights=live_weights, taps=conv_taps, chunks=chunks
-        )
+            x, radial, cache, fused=fused, live_weights=live_weights,
+            stack_precision=stack_precision, taps=conv_taps, chunks=chunks,
+        )  # fmt: skip
         normed = self.post_conv_norm(update)
         x = x + normed
         if taps is not None and conv_taps is not None:
@@ -146,6 +150,7 @@ class DPA4Model(nn.Module):
         live_weights: bool = True,
         taps: dict[str, Tensor] | None = None,
         edge_chunk: int | None = None,
+        stack_precision: StackPrecision = StackPrecision.EXACT,
     ) -> Tensor:
         """Atomic energies ``(N,) float64`` of atoms with type indices ``types (N,) int64``.
 
@@ -154,11 +159,14 @@ class DPA4Model(nn.Module):
         intermediates by name for stage-by-stage validation; ``edge_chunk`` (edges per chunk)
         runs the SO(2) convolutions' per-edge pipeline in chunks that are recomputed in the
         backward (bounded memory; see :mod:`service.model.layers.so2conv`). Not for
-        ``create_graph`` (training): leave it ``None`` there.
+        ``create_graph`` (training): leave it ``None`` there. ``stack_precision`` is the GEMM tier
+        of every block's mixing stack: ``StackPrecision.FAST`` (fp16x3) needs ``fused``; all other
+        arithmetic stays exact fp32 whatever the tier.
         """
         descriptor = self.descriptor(
-            types, cache, fused=fused, live_weights=live_weights, taps=taps, edge_chunk=edge_chunk
-        )
+            types, cache, fused=fused, live_weights=live_weights, taps=taps,
+            edge_chunk=edge_chunk, stack_precision=stack_precision,
+        )  # fmt: skip
         raw: Tensor = self.fitting(descriptor)
         if taps is not None:
             taps["descriptor"] = descriptor
@@ -199,6 +207,7 @@ class DPA4Model(nn.Module):
         live_weights: bool,
         taps: dict[str, Tensor] | None,
         edge_chunk: int | None = None,
+        stack_precision: StackPrecision = StackPrecision.EXACT,
     ) -> Tensor:
         """Invariant per-atom descriptor ``(N, C)``: blocks then the residual l=0 readout."""
         x, radial = self.initial_state(types, cache, taps)
@@ -208,7 +217,7 @@ class DPA4Model(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(
                 x, radial, cache, fused=fused, live_weights=live_weights, taps=taps,
-                prefix=f"b{i}_", chunks=chunks,
+                prefix=f"b{i}_", chunks=chunks, stack_precision=stack_precision,
             )  # fmt: skip
             if taps is not None:
                 taps[f"b{i}_out"] = x

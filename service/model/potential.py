@@ -17,7 +17,8 @@ assembly; free when no profiler is active), so benchmarks/model.py --profile can
 Forces are exactly −∂E/∂r and the virial is the strain derivative (both from the edge gradient,
 service.graph.assembly). ``create_graph=True`` keeps the graph so a force loss can be
 differentiated (training). The execution path (fused so2kernels ops vs their eager references) and
-precision are decided here, once, and reported in :class:`ExecutionInfo`.
+precision (``fp32``, ``fp64``, or the opt-in ``fp16x3`` mixing-stack tier) are decided here, once,
+and reported in :class:`ExecutionInfo` (hence in ``/info`` and every response's provenance).
 """
 
 from __future__ import annotations
@@ -42,11 +43,22 @@ from service.model.captured import CapturedSteps, StepInputs, StepOutputs
 from service.model.config import ModelConfig
 from service.model.dpa4 import DPA4Model
 from service.model.errors import ModelFileError
+from so2kernels._dispatch import INTERPRET, triton_available
+from so2kernels.mixing_stack import StackPrecision
 
 PROPERTIES = frozenset({"energy", "energies", "forces", "virial", "stress"})
 PATHS = ("auto", "fused", "reference")
-PRECISIONS = ("fp32", "fp64")
-"""``fp64`` runs the model in float64 on the reference path (validation, finite differences)."""
+PRECISIONS = ("fp32", "fp64", "fp16x3")
+"""``fp64`` runs the model in float64 on the reference path (validation, finite differences).
+``fp16x3`` is fp32 except the mixing stacks' GEMMs, which run the opt-in error-compensated fp16
+tensor-core tier (three fp16 products per fp32 product, ~2^-22 relative per GEMM): fused path
+only, inference only (``create_graph`` is refused: the double backward has no fast tier)."""
+STACK_TIERS = {
+    "fp32": StackPrecision.EXACT,
+    "fp64": StackPrecision.EXACT,
+    "fp16x3": StackPrecision.FAST,
+}
+"""The mixing-stack GEMM tier of each precision."""
 MEMORY_MODES = ("auto", "fast", "lean")
 """Per-edge activation policy of the SO(2) convolutions (see :func:`edge_chunk_for`):
 ``fast`` keeps every activation for the backward; ``lean`` runs the per-edge pipeline in
@@ -79,7 +91,7 @@ class ExecutionInfo:
     """What produced a prediction: value path, arithmetic tier and device."""
 
     path: str  # "fused" | "reference"
-    precision: str  # "fp32"
+    precision: str  # PRECISIONS
     device: str
     memory: str = "auto"  # MEMORY_MODES
 
@@ -151,6 +163,25 @@ def edge_chunk_for(
     return DEFAULT_EDGE_CHUNK if needed > AUTO_MEMORY_FRACTION * free else None
 
 
+def check_fast_tier(precision: str, path: str, device: torch.device) -> None:
+    """A fast stack tier exists only in the fused Triton kernels: refuse it anywhere else, at
+    construction, rather than fail (or fall back to the exact tier) on the first request."""
+    if path != "fused":
+        raise ValueError(
+            f"precision={precision!r} needs the fused path (the reference path is exact fp32 or "
+            f"fp64); the value path resolved to {path!r}: use path='fused' on CUDA with a "
+            "fused-eligible model"
+        )
+    runs_triton = triton_available() and (
+        device.type == "cuda" or (device.type == "cpu" and INTERPRET)
+    )
+    if not runs_triton:
+        raise ValueError(
+            f"precision={precision!r} needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on "
+            f"CPU); device {device} would run the ops' exact references instead"
+        )
+
+
 def _type_lookup(type_map: tuple[str, ...]) -> Tensor:
     """Atomic number → type index (−1 for elements the model does not know)."""
     table = torch.full((119,), -1, dtype=torch.int64)
@@ -184,6 +215,9 @@ class Potential:
         resolved = resolve_path(cfg, self.device, path)
         if precision == "fp64" and resolved == "fused":
             raise ValueError("precision='fp64' runs on the reference path only (kernels are fp32)")
+        if STACK_TIERS[precision] is StackPrecision.FAST:
+            check_fast_tier(precision, resolved, self.device)
+        self.stack_precision = STACK_TIERS[precision]
         self.dtype = torch.float64 if precision == "fp64" else torch.float32
         self.model = model.to(self.device, self.dtype).eval()
         self.execution = ExecutionInfo(resolved, precision, str(self.device), memory)
@@ -236,6 +270,11 @@ class Potential:
             raise ValueError(
                 f"unknown properties {sorted(unknown)}; choose from {sorted(PROPERTIES)}"
             )
+        if create_graph and self.stack_precision is not StackPrecision.EXACT:
+            raise ValueError(
+                f"create_graph (training) needs an exact precision, not "
+                f"{self.execution.precision!r}: the stack's double backward has no fast tier"
+            )
         cfg = self.config
         types = self.atom_types(structures)
         want_grad = bool({"forces", "virial", "stress"} & set(properties))
@@ -277,12 +316,23 @@ class Potential:
             )
         return result
 
+    def release_cached_memory(self) -> None:
+        """Drop the recorded CUDA graphs and their memory pools (the engine calls this on
+        out-of-memory before it bisects a batch); shapes are recorded again when they recur."""
+        if self._captured is not None:
+            self._captured.clear()
+
     def _replay(self, captured: CapturedSteps, inputs: StepInputs) -> StepOutputs | None:
         """Replay (``None``: evaluate eagerly). If capturing fails (an op that cannot be
         recorded), warn once and turn replay off for this potential: a request never fails for
-        an optimisation."""
+        an optimisation. Out of memory is not such a failure: the recorded graphs are dropped
+        (their pools freed) and the error goes to the caller's OOM handling (the engine
+        bisects the batch)."""
         try:
             return captured.run(inputs)
+        except torch.cuda.OutOfMemoryError:
+            captured.clear()
+            raise
         except RuntimeError as exc:
             warnings.warn(
                 f"CUDA-graph capture failed ({exc}); evaluating without graphs from now on",
@@ -319,6 +369,7 @@ class Potential:
                 atom_energy = self.model(
                     inputs.types, cache, fused=self.execution.path == "fused",
                     live_weights=create_graph, edge_chunk=edge_chunk,
+                    stack_precision=self.stack_precision,
                 )  # fmt: skip
             energy = atom_energy.new_zeros(graph.n_structures).index_add(
                 0, graph.atom_batch, atom_energy

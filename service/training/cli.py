@@ -93,6 +93,9 @@ def eval_command(
     ] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     path: Annotated[str, typer.Option(help="Execution path: auto | fused | reference")] = "auto",
+    precision: Annotated[
+        str, typer.Option(help="fp32 | fp64 (reference path) | fp16x3 (fused stack tier)")
+    ] = "fp32",
     batch_size: Annotated[int, typer.Option(help="Frames per evaluation batch.")] = 8,
 ) -> None:
     """Energy/force/virial RMSE and MAE per system and overall (+ parity plot, JSON)."""
@@ -103,11 +106,12 @@ def eval_command(
             data,
             device=device,
             path=path,
+            precision=precision,
             batch_size=batch_size,
             parity_plot=plot,
             json_output=json_output,
         )
-    except (DataError, ModelFileError) as exc:
+    except (DataError, ModelFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     typer.echo(report.to_json())

@@ -160,6 +160,7 @@ def evaluate_model(
     *,
     device: str = "auto",
     path: str = "auto",
+    precision: str = "fp32",
     batch_size: int = 8,
     parity_plot: Path | None = None,
     json_output: Path | None = None,
@@ -169,7 +170,7 @@ def evaluate_model(
     ``model=None`` evaluates the shipped default model. Writes the JSON report and a parity
     plot when paths are given.
     """
-    potential = load_potential(model, device=device, path=path)
+    potential = load_potential(model, device=device, path=path, precision=precision)
     dataset = load_dataset(list(data))
     for source, frames in dataset.by_source().items():
         unknown = sorted(set(frames.elements) - set(potential.config.type_map))

@@ -13,7 +13,9 @@ Pipeline, per block with degree L, focus streams F of width Cf (``C_wide = F·Cf
 7. Aggregate at dst: envelope-gated attention with null mass and an output gate, or the
    env-weighted scatter with degree normalisation; ``post_focus_mix`` ``C_wide → C``.
 
-Steps 3 and 5 are the so2kernels ops (``fused``) or their eager references (``reference``); the
+Steps 3 and 5 are the so2kernels ops (``fused``) or their eager references (``reference``). The
+stack's GEMM tier (``stack_precision``) is an explicit argument: the exact fp32 tier everywhere,
+or, on the fused path only, the opt-in error-compensated fp16x3 tier; the rest stays exact. The
 packed stack weights are cached for inference and rebuilt live when weights need gradients. On
 the fused path steps 6–7 are one op, ``so2_attention_aggregate`` (rotate back, rescale, edge
 weights, dst CSR sum in registers: the (E, D, C_wide) messages never exist), and every
@@ -57,7 +59,8 @@ from so2kernels._layout import (
     rotate_back_rescale,
 )
 from so2kernels.aggregate import attention_aggregate
-from so2kernels.rotate_mix import wigner_reduced_rows
+from so2kernels.mixing_stack import StackPrecision, mixing_stack_reference, so2_mixing_stack
+from so2kernels.rotate_mix import rotate_mix_reference, wigner_reduced_rows
 from so2kernels.segment import segment_broadcast, segment_sum
 
 FOCUS_LABEL_SMOOTHING = 0.02
@@ -294,16 +297,20 @@ class SO2Convolution(nn.Module):
         *,
         fused: bool,
         live_weights: bool,
+        stack_precision: StackPrecision = StackPrecision.EXACT,
         taps: dict[str, Tensor] | None = None,
         chunks: list[EdgeChunk] | None = None,
     ) -> Tensor:
         """``x (N, (L+1)², C)``, radial features ``(E, L+1, C)`` → update ``(N, (L+1)², C)``.
+
+        ``stack_precision`` is the mixing stack's GEMM tier; the fast tier needs ``fused``.
 
         ``chunks`` (default: the whole graph) splits the per-edge pipeline by destination-node
         ranges. With several chunks under autograd each chunk is checkpointed: its per-edge
         activations (u0, z_all, x_local, …) are dropped after the forward and recomputed in
         the backward, so they never exist for more than one chunk at a time.
         """
+        value_path = _value_path(fused, stack_precision)
         n_nodes = x.shape[0]
         chunks = chunks if chunks is not None else [whole_graph(cache.graph)]
         if taps is not None and len(chunks) != 1:
@@ -318,7 +325,7 @@ class SO2Convolution(nn.Module):
         recompute = len(chunks) > 1 and torch.is_grad_enabled()
         parts = []
         for chunk in chunks:
-            edge_pass = partial(self._edge_pass, chunk, stack, fused, taps)
+            edge_pass = partial(self._edge_pass, chunk, stack, value_path, taps)
             rows = chunk.edge_rows
             args = (wide, q, k, rows(radial), rows(cache.wigner), rows(cache.env),
                     cache.inv_sqrt_deg)  # fmt: skip
@@ -343,7 +350,7 @@ class SO2Convolution(nn.Module):
         self,
         chunk: EdgeChunk,
         stack: PackedStack,
-        fused: bool,
+        value_path: ValuePath,
         taps: dict[str, Tensor] | None,
         wide: Tensor,
         q: Tensor,
@@ -360,13 +367,13 @@ class SO2Convolution(nn.Module):
         and ``env`` are the chunk's edge rows.
         """
         kc, cb, rad_l0 = self.radial_kernel(radial)
-        rotate_mix, mixing_stack = _value_path(fused)
-        u0 = rotate_mix(
+        fused = value_path.fused
+        u0 = value_path.rotate_mix(
             wide, chunk.src, chunk.src_order, chunk.src_rowptr, wigner, kc, cb,
             self.lmax, self.n_focus, self.rank,
         )  # fmt: skip
         alpha = self.focus_alpha(u0)
-        x_local, z_all, _ = mixing_stack(
+        x_local, z_all, _ = value_path.mixing_stack(
             u0, alpha, stack.w0_all, stack.w1_all, stack.gw_all,
             self.lmax, self.focus_dim, self.compete_weight is not None,
         )  # fmt: skip
@@ -393,14 +400,27 @@ class SO2Convolution(nn.Module):
         return sum_into_dst(weighted.view(n_edges, d, self.hidden), chunk.dst, chunk.n_nodes)
 
 
-def _value_path(fused: bool) -> tuple[Callable[..., Tensor], Callable[..., tuple[Tensor, ...]]]:
-    """The rotate-mix and mixing-stack callables of an execution path."""
+@dataclass(frozen=True)
+class ValuePath:
+    """The rotate-mix and mixing-stack callables of one execution path and stack tier."""
+
+    fused: bool
+    rotate_mix: Callable[..., Tensor]
+    mixing_stack: Callable[..., tuple[Tensor, ...]]
+
+
+def _value_path(fused: bool, stack_precision: StackPrecision) -> ValuePath:
+    """The so2kernels ops (``fused``) or their eager references; the stack tier is bound here so
+    that every chunk of every block runs the one the caller chose."""
     if fused:
-        import so2kernels.mixing_stack
-        import so2kernels.rotate_mix  # noqa: F401
-
-        return torch.ops.so2kernels.so2_rotate_mix, torch.ops.so2kernels.so2_mixing_stack
-    from so2kernels.mixing_stack import mixing_stack_reference
-    from so2kernels.rotate_mix import rotate_mix_reference
-
-    return rotate_mix_reference, mixing_stack_reference
+        return ValuePath(
+            True,
+            torch.ops.so2kernels.so2_rotate_mix,
+            partial(so2_mixing_stack, precision=stack_precision),
+        )
+    if stack_precision is not StackPrecision.EXACT:
+        raise ValueError(
+            f"stack precision {stack_precision.value!r} runs in the fused mixing-stack kernels "
+            "only; the reference path is exact (use fused=True or StackPrecision.EXACT)"
+        )
+    return ValuePath(False, rotate_mix_reference, mixing_stack_reference)
