@@ -45,8 +45,8 @@ case "$topic" in
     ;;
   step)  # sync audit, CUDA-graph replay vs eager, small-size step timings
     run python3 benchmarks/sync_audit.py
-    run python3 -m pytest -q -m gpu tests/model/test_captured.py
-    run python3 benchmarks/model.py --cases bar:192,1536,12288 small:192,1536,12288 --paths fused fused-eager --no-agreement --repeats 10 "$@"
+    run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/model/test_fast_tier.py tests/graph/test_sync_free.py
+    run python3 benchmarks/model.py --cases bar:192,1536,12288 small:192,1536,12288 --paths fused fused-eager fused-fp16x3 --no-agreement --repeats 10 "$@"
     ;;
   model)
     run python3 -m pytest -q -m gpu tests/model
