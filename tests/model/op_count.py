@@ -94,7 +94,7 @@ def _labelled_functions() -> list[tuple[Any, str]]:
         *((potential_module, n) for n in phases),
         (rotate_mix, "rotate_mix_reference"),
         (mixing_stack, "mixing_stack_reference"),
-        (so2conv, "wigner_reduced_rows"),
+        (so2conv, "attention_aggregate_reference"),
     ]
 
 

@@ -54,13 +54,11 @@ from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
 from service.model.layers.linear import DegreeLinear, FocusLinear
 from service.model.layers.norms import ScalarRMSNorm, unit_rms
 from so2kernels._layout import (
-    edge_major_to_channel_rows,
     n_kernel_slots,
-    rotate_back_rescale,
 )
-from so2kernels.aggregate import attention_aggregate
+from so2kernels.aggregate import attention_aggregate, attention_aggregate_reference
 from so2kernels.mixing_stack import StackPrecision, mixing_stack_reference, so2_mixing_stack
-from so2kernels.rotate_mix import rotate_mix_reference, wigner_reduced_rows
+from so2kernels.rotate_mix import rotate_mix_reference
 from so2kernels.segment import segment_broadcast, segment_sum
 
 FOCUS_LABEL_SMOOTHING = 0.02
@@ -200,8 +198,6 @@ class Attention(nn.Module):
 class SO2Convolution(nn.Module):
     """One block's SO(2) convolution: ``(N, (L+1)², C) → (N, (L+1)², C)``."""
 
-    rotate_back_rescale: Tensor
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         lmax, c, cf, nf = cfg.lmax, cfg.channels, cfg.focus_width, cfg.n_focus
@@ -230,7 +226,6 @@ class SO2Convolution(nn.Module):
         )
         self.compete_weight = nn.Parameter(torch.randn(cf, nf) * 0.01) if nf > 1 else None
         self.attention = Attention(cfg) if cfg.n_atten_head > 0 else None
-        self.register_buffer("rotate_back_rescale", rotate_back_rescale(lmax), persistent=False)
         self._packed_cache: tuple[tuple[object, ...], PackedStack] | None = None
 
     # ------------------------------------------------------------------ weights in op layout
@@ -280,14 +275,6 @@ class SO2Convolution(nn.Module):
         logits = torch.einsum("fec,cf->ef", u0[:, :, : self.focus_dim], self.compete_weight)
         soft = torch.softmax(logits, dim=1)
         return soft * (1.0 - FOCUS_LABEL_SMOOTHING) + FOCUS_LABEL_SMOOTHING / self.n_focus
-
-    def rotate_back(self, x_local: Tensor, wigner: Tensor) -> Tensor:
-        """``x_local (E, F, ROW)`` → global ``(E, (L+1)², C_wide)`` with the l > 1 rescale."""
-        rows = edge_major_to_channel_rows(x_local, self.lmax)
-        # Structural rows only, as the fused ops read them: off-block entries get no gradient.
-        d_rows = wigner_reduced_rows(wigner, self.lmax)  # (E, Dm, D)
-        message = torch.bmm(d_rows.transpose(1, 2), rows)
-        return message * self.rotate_back_rescale[:, None]
 
     def forward(
         self,
@@ -385,19 +372,9 @@ class SO2Convolution(nn.Module):
             weights = self.attention.edge_weights(chunk.node_rows(q), k, rad_l0, env, ops)
         else:
             weights = (env * ops.from_dst(chunk.node_rows(inv_sqrt_deg)))[:, None]
-        if fused:
-            return attention_aggregate(x_local, wigner, weights, chunk.dst_rowptr, self.lmax)
-        message = self.rotate_back(x_local, wigner)
-        n_edges, d = message.shape[:2]
-        if self.attention is None:
-            # DeePMD's order: env-weighted sum, then the degree normalisation of the centre.
-            out = sum_into_dst(message * env[:, None, None], chunk.dst, chunk.n_nodes)
-            return out * chunk.node_rows(inv_sqrt_deg)[:, None, None]
-        groups = weights.shape[1]
-        weighted = (
-            message.view(n_edges, d, groups, self.hidden // groups) * weights[:, None, :, None]
-        )
-        return sum_into_dst(weighted.view(n_edges, d, self.hidden), chunk.dst, chunk.n_nodes)
+        # Rotate back, l > 1 rescale, weight, sum into the centres: the op or its reference.
+        aggregate = attention_aggregate if fused else attention_aggregate_reference
+        return aggregate(x_local, wigner, weights, chunk.dst_rowptr, self.lmax)
 
 
 @dataclass(frozen=True)
