@@ -2,16 +2,12 @@
 
 Importing this package registers the ``torch.ops.so2kernels`` namespace:
 
-==============================  ===========================================================
-op                              computes
-==============================  ===========================================================
-``so2_rotate_mix``              gather + rotate to the edge frame + radial degree mixing
-``so2_mixing_stack``            the gated SO(2) mixing stack with focus competition (α)
-``so2_attention_aggregate``     rotate back + attention/scatter weights + dst CSR reduction
-``segment_sum``                 CSR segment sum (edges → nodes), fp32 or fp64, no atomics
-``segment_broadcast``           its adjoint (nodes → edges)
-``gated_act``                   the stack's gated SiLU activation, standalone
-==============================  ===========================================================
+* ``so2_rotate_mix``: gather + rotate to the edge frame + radial degree mixing;
+* ``so2_mixing_stack``: the gated SO(2) mixing stack with focus competition (α);
+* ``so2_attention_aggregate``: rotate back + attention/scatter weights + dst CSR reduction;
+* ``segment_sum``: CSR segment sum (edges → nodes), fp32 or fp64, no atomics;
+* ``segment_broadcast``: its adjoint (nodes → edges);
+* ``gated_act``: the stack's gated SiLU activation, standalone.
 
 The ops run Triton on CUDA (and on CPU under ``TRITON_INTERPRET=1``) and their references
 elsewhere; see :mod:`so2kernels._dispatch`.

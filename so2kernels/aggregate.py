@@ -1,7 +1,6 @@
 """``so2_attention_aggregate``: rotate back + l>1 rescale + edge weighting + dst CSR reduction.
 
-Layout contract
----------------
+Layout contract.
 Operands (one device; the fused path needs float32 for the float operands):
 
 * ``x_local`` (E, F, ROW) edge-major stack output, ``ROW = (3L+1)·Cf`` m-major reduced rows

@@ -1,7 +1,6 @@
 """Gated SO(2) activation of one mixing layer: ``so2kernels::gated_act``.
 
-Layout contract
----------------
+Layout contract.
 ``z`` is a focus-major pre-activation ``(F, E, ROW)`` with ``ROW = (3L+1)·Cf`` in the m-major
 reduced order of :mod:`so2kernels._layout`: columns ``[0, Cf)`` are the ``l = 0`` scalar row,
 ``[Cf, M0)`` the ``m = 0`` rows of degrees ``1..L``, ``[M0, M0+LG)`` the ``m = -1`` rows and

@@ -1,7 +1,6 @@
 """The SO(2) mixing stack of one convolution: ``so2kernels::so2_mixing_stack``.
 
-Layout contract
----------------
+Layout contract.
 ``u0 (F, E, ROW)`` is the focus-major, m-major activation of :mod:`so2kernels._layout` (``ROW =
 (3L+1)·Cf``; the first ``M0 = (L+1)·Cf`` columns are the m=0 block, the remaining ``M1 = 2L·Cf``
 the ``[m=-1 | m=+1]`` block). Weights are stacked per layer in (in, out) storage, ``y = x @ W``:

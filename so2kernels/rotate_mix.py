@@ -1,7 +1,6 @@
 """``so2_rotate_mix``: gather → Wigner rotation to the edge frame → radial degree mixing → store.
 
-Layout contract
----------------
+Layout contract.
 Operands (all on one device; the fused path needs float32 for the float operands):
 
 * ``x`` (N, D, C_wide) node features, packed (l, m) rows, ``D = (L+1)²``; any strides.

@@ -1,7 +1,6 @@
 """Backward (first and second order) of ``so2_rotate_mix``.
 
-Layout contract
----------------
+Layout contract.
 ``so2kernels::so2_rotate_mix_bwd(grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax,
 n_focus, rank, want_cb) -> (grad_x, grad_wigner, grad_kc, grad_cb)``:
 

@@ -1,7 +1,6 @@
 """CSR segment reductions: ``segment_sum`` (edges → nodes) and its adjoint ``segment_broadcast``.
 
-Layout contract
----------------
+Layout contract.
 ``order`` (E,) int64 lists the row ids grouped by segment (e.g. a stable argsort of ``src``) and
 ``row_ptr`` (N+1,) int64 holds the segment offsets into ``order``: segment ``n`` owns
 ``order[row_ptr[n]:row_ptr[n+1]]``. ``order`` must be a permutation of ``0..E-1`` and

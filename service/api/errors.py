@@ -1,26 +1,21 @@
 """Every failure becomes JSON ``{code, message, detail}`` with the right HTTP status.
 
-==========  ===================================  =============================================
-status      code                                 when
-==========  ===================================  =============================================
-400         ``malformed_body``                   body is not valid JSON / msgpack
-401         ``unauthorized``                     API key missing or wrong (when one is set)
-404         ``not_found``                        unknown route
-405         ``method_not_allowed``               wrong method for the route
-413         ``too_many_atoms``                   a structure above ``--max-atoms``
-413         ``body_too_large``                   body above ``--max-body-mb``
-415         ``unsupported_media_type``           neither JSON nor msgpack
-422         ``invalid_request``                  schema violation (unknown property, wrong
-                                                 type, …); ``detail.errors`` names each field
-422         the graph layer's code               invalid structure: ``non_finite_positions``,
-                                                 ``singular_cell``, ``unknown_element``,
-                                                 ``coincident_atoms``, …; ``detail.field``
-500         ``evaluation_failed``                the model failed on one structure
-500         ``internal_error``                   a server bug
-503         ``queue_full`` (+ ``Retry-After``)   overload
-503         ``not_ready`` (+ ``Retry-After``)    model not loaded yet / shutting down
-507         ``out_of_memory``                    one structure does not fit even alone
-==========  ===================================  =============================================
+Status, code and when:
+
+* 400 ``malformed_body``: body is not valid JSON / msgpack.
+* 401 ``unauthorized``: API key missing or wrong (when one is set).
+* 404 ``not_found``: unknown route; 405 ``method_not_allowed``: wrong method for the route.
+* 413 ``too_many_atoms``: a structure above ``--max-atoms``; 413 ``body_too_large``: body above
+  ``--max-body-mb``.
+* 415 ``unsupported_media_type``: neither JSON nor msgpack.
+* 422 ``invalid_request``: schema violation (unknown property, wrong type, …);
+  ``detail.errors`` names each field.
+* 422 with the graph layer's code for an invalid structure (``non_finite_positions``,
+  ``singular_cell``, ``unknown_element``, ``coincident_atoms``, …); ``detail.field`` names it.
+* 500 ``evaluation_failed``: the model failed on one structure; 500 ``internal_error``: a bug.
+* 503 ``queue_full`` / ``not_ready`` (both with ``Retry-After``): overload, or the model is not
+  loaded yet / the server is shutting down.
+* 507 ``out_of_memory``: one structure does not fit even alone.
 """
 
 from __future__ import annotations

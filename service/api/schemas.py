@@ -1,7 +1,7 @@
 """Request and response schemas of the HTTP API, and the wire formats that carry them.
 
-Wire formats (chosen by ``Content-Type``; the answer by ``Accept``, else the request's format)
-------------------------------------------------------------------------------------------
+Wire formats (chosen by ``Content-Type``; the answer by ``Accept``, else the request's format):
+
 ``application/json``
     Plain JSON as in the schemas below. Floats are written in shortest round-trip form, so a
     float64 survives the trip bit for bit.

@@ -1,7 +1,7 @@
 """Dynamic batching: concurrent requests are queued and coalesced into one device pass.
 
-Scheduling contract
--------------------
+Scheduling contract:
+
 * Requests are admitted (or refused at once: too many atoms, unknown element, queue full) and
   queued FIFO. One scheduler task forms batches; the worker thread runs one batch at a time.
 * A batch takes structures from the head of the queue while the total atoms stay within

@@ -78,7 +78,6 @@ class ModelConfig:
         object.__setattr__(self, "env_exponents", tuple(int(p) for p in self.env_exponents))
         _validate(self)
 
-    # ----------------------------------------------------------------- derived sizes
     @property
     def n_types(self) -> int:
         return len(self.type_map)
@@ -145,7 +144,6 @@ class ModelConfig:
             and (self.radial_so2_mode == "none" or 1 <= self.radial_so2_rank <= 4)
         )
 
-    # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         for key in ("type_map", "radial_mlp", "fitting_neurons", "env_exponents"):
@@ -230,7 +228,6 @@ def _validate(cfg: ModelConfig) -> None:
     _require(cfg.eps > 0, "eps must be > 0")
 
 
-# --------------------------------------------------------------------------------- presets
 _PRESETS: dict[str, dict[str, Any]] = {
     # model-dpa4.md §11 "tiny-fused": the CI model (plain GLU FFN).
     "tiny": dict(

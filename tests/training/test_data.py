@@ -130,9 +130,6 @@ def test_frame_dataset_grouping(molecules: Path) -> None:
     assert isinstance(dataset.subset([0, 5]), FrameDataset)
 
 
-# ---------------------------------------------------------------------------------- malformed
-
-
 def _expect(path: Path, fragment: str, name: str) -> None:
     with pytest.raises(DataError) as info:
         load_dataset([path])

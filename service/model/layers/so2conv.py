@@ -228,7 +228,6 @@ class SO2Convolution(nn.Module):
         self.attention = Attention(cfg) if cfg.n_atten_head > 0 else None
         self._packed_cache: tuple[tuple[object, ...], PackedStack] | None = None
 
-    # ------------------------------------------------------------------ weights in op layout
     def _linears(self) -> list[SO2Linear]:
         return [lin for lin in self.linears if isinstance(lin, SO2Linear)]
 
@@ -257,7 +256,6 @@ class SO2Convolution(nn.Module):
                 self._packed_cache = (key, self._pack())
         return self._packed_cache[1]
 
-    # ------------------------------------------------------------------ forward
     def radial_kernel(self, radial: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``radial (E, L+1, C)`` → ``(kc, cb, rad_l0 (E, C_wide))`` in the rotate-mix layout."""
         rad = radial if self.radial_hidden is None else radial @ self.radial_hidden
