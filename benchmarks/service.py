@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -69,6 +68,7 @@ from clients.local import SO2LocalCalculator  # noqa: E402
 from service.engine import Evaluator  # noqa: E402
 from service.graph.structures import Structures  # noqa: E402
 from service.model.potential import Potential, default_model_path, load_potential  # noqa: E402
+from tests.service.fakes import FakeExecution, FakePrediction  # noqa: E402
 
 SIZES = (192, 1536, 12288)
 CLIENTS = (1, 8, 64)
@@ -301,34 +301,18 @@ def throughput_row(results: list[tuple[list[float], float]]) -> dict[str, Any]:
 # CPU micro-benchmark with a do-nothing model (--fake-model)
 
 
-@dataclass(frozen=True)
-class NullExecution:
-    path: str = "null"
-    precision: str = "fp64"
-    device: str = "cpu"
-
-
-@dataclass
-class NullPrediction:
-    energy: torch.Tensor
-    energies: torch.Tensor | None
-    forces: torch.Tensor | None
-    virial: torch.Tensor | None
-    stress: torch.Tensor | None
-
-
 class NullEvaluator:
     """The ``Evaluator`` surface answering zeros: what is left is the service's own cost."""
 
-    execution = NullExecution()
+    execution = FakeExecution(path="null")
 
     def info(self) -> dict[str, Any]:
         return {"name": "null", "sha256": "0" * 64, "elements": ["H", "O"], "rcut": 6.0}
 
-    def predict(self, structures: Structures, properties: Collection[str]) -> NullPrediction:
+    def predict(self, structures: Structures, properties: Collection[str]) -> FakePrediction:
         b, n = structures.n_structures, structures.n_atoms
         zeros = torch.zeros
-        return NullPrediction(
+        return FakePrediction(
             energy=zeros(b, dtype=torch.float64),
             energies=zeros(n, dtype=torch.float64) if "energies" in properties else None,
             forces=zeros(n, 3, dtype=torch.float64) if "forces" in properties else None,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
@@ -160,9 +160,10 @@ class _Recorded:
 
 
 def _copy_into(static: StepInputs, fresh: StepInputs) -> None:
-    for name in ("src", "dst", "shifts", "edge_batch", "atom_batch", "dst_rowptr", "src_order",
-                 "src_rowptr", "edge_ptr"):  # fmt: skip
-        getattr(static.graph, name).copy_(getattr(fresh.graph, name), non_blocking=True)
+    for spec in fields(Graph):
+        target = getattr(static.graph, spec.name)
+        if isinstance(target, Tensor):
+            target.copy_(getattr(fresh.graph, spec.name), non_blocking=True)
     static.positions.copy_(fresh.positions, non_blocking=True)
     static.cells.copy_(fresh.cells, non_blocking=True)
     static.types.copy_(fresh.types, non_blocking=True)

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  (fixture)
@@ -17,6 +12,7 @@ from so2kernels.aggregate import (
     attention_aggregate_backward_reference,
     attention_aggregate_reference,
 )
+from tests.offline_compile import compiled_count
 
 Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -250,17 +246,7 @@ def compile_all_for_sm90() -> int:
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
-    here = Path(__file__).resolve()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = (
-        f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here.parents[2])!r}]; "
-        "import test_aggregate as t; print(t.compile_all_for_sm90())"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert int(result.stdout.split()[-1]) == 10
+    assert compiled_count("test_aggregate", "compile_all_for_sm90()") == 10
 
 
 # GPU (the lead runs these on the H200)

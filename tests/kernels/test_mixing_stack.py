@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +12,7 @@ from so2kernels._dispatch import UnsupportedInputError
 from so2kernels.mixing_stack import mixing_stack_reference, so2_mixing_stack
 from so2kernels.mixing_stack_backward import mixing_stack_backward
 from so2kernels.mixing_stack_fast import measure_stack_error
+from tests.offline_compile import compiled_count
 
 Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -302,17 +299,7 @@ def compile_all_for_sm90(fast: bool) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("fast", [False, True])
 def test_kernels_compile_for_sm90(fast: bool) -> None:
-    here = Path(__file__).resolve()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = (
-        f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here.parents[2])!r}]; "
-        f"import test_mixing_stack as t; print(t.compile_all_for_sm90({fast}))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert int(result.stdout.split()[-1]) == 12
+    assert compiled_count("test_mixing_stack", f"compile_all_for_sm90({fast})") == 12
 
 
 # GPU (the lead runs these on the H200)

@@ -3,12 +3,8 @@ and second order — over the regimes, plus golden slot orientation, opcheck and
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +27,7 @@ from so2kernels.rotate_mix_backward import (
 from so2kernels.segment import csr_from_index
 from so2kernels.tiles import LaunchTiles
 from tests.conftest import shared_path
+from tests.offline_compile import compiled_count
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 fused_only = pytest.mark.skipif(
@@ -236,11 +233,8 @@ def _second_order(ops: Operands, weights: Sequence[torch.Tensor]) -> list[torch.
     return [*grads, *torch.autograd.grad(loss, leaves)]
 
 
-@fused_only
-@pytest.mark.parametrize(
-    "case", [Case(1, 2, 32, 0), Case(2, 1, 32, 1, extra_dw=3), Case(2, 2, 32, 2)], ids=str
-)
-def test_second_order_matches_reference(case: Case) -> None:
+def _assert_second_order_matches(case: Case) -> tuple[Operands, tuple[int, int, int]]:
+    """Fused second order vs the float64 reference; returns the operands and grad_u's shape."""
     ops = make_operands(case, seed=7)
     gen = torch.Generator().manual_seed(8)
     u_shape = (case.n_focus, case.n_edge, (3 * case.lmax + 1) * case.focus_dim)
@@ -250,6 +244,15 @@ def test_second_order_matches_reference(case: Case) -> None:
     reference = _second_order(ops.cast(torch.float64), weights64)
     for got, want in zip(fused, reference, strict=True):
         assert_close_normwise(got, want, rel=2e-5)
+    return ops, u_shape
+
+
+@fused_only
+@pytest.mark.parametrize(
+    "case", [Case(1, 2, 32, 0), Case(2, 1, 32, 1, extra_dw=3), Case(2, 2, 32, 2)], ids=str
+)
+def test_second_order_matches_reference(case: Case) -> None:
+    _assert_second_order_matches(case)
 
 
 @fused_only
@@ -411,15 +414,7 @@ def edge_variant_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     "case", [Case(1, 2, 32, 1, n_node=4, n_edge=9), Case(2, 1, 32, 0, n_node=4, n_edge=9)], ids=str
 )
 def test_edge_variant_second_order_and_determinism(case: Case) -> None:
-    ops = make_operands(case, seed=7)
-    gen = torch.Generator().manual_seed(8)
-    u_shape = (case.n_focus, case.n_edge, (3 * case.lmax + 1) * case.focus_dim)
-    shapes = [u_shape] + [tuple(t.shape) for t in ops.floats()]
-    weights64 = [torch.rand(s, generator=gen, dtype=torch.float64).to(DEVICE) for s in shapes]
-    fused = _second_order(ops, [w.float() for w in weights64])
-    reference = _second_order(ops.cast(torch.float64), weights64)
-    for got, want in zip(fused, reference, strict=True):
-        assert_close_normwise(got, want, rel=2e-5)
+    ops, u_shape = _assert_second_order_matches(case)
     grad_u = torch.randn(u_shape).to(DEVICE)
     first = rotate_mix_backward(grad_u, *ops.args())
     second = rotate_mix_backward(grad_u, *ops.args())
@@ -479,17 +474,7 @@ def compile_backward_kernels_for_sm90() -> int:
 
 @pytest.mark.slow
 def test_backward_kernels_compile_for_sm90() -> None:
-    here = Path(__file__).resolve()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = (
-        f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here.parents[2])!r}]; "
-        "import test_rotate_mix as t; print(t.compile_backward_kernels_for_sm90())"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert int(result.stdout.split()[-1]) == 2
+    assert compiled_count("test_rotate_mix", "compile_backward_kernels_for_sm90()") == 2
 
 
 # GPU: realistic sizes (run by the lead on the H200)
