@@ -380,6 +380,23 @@ def _kernel_edge_stride(L: tl.constexpr, WD: tl.constexpr, RANK: tl.constexpr):
         return ((L + 1) * (L + 1) + L * L) * RANK
 
 
+@triton.jit
+def _gather_edge_tile(
+    x_ptr, src_ptr, first, n_edge, x_sn,
+    BLOCK_E: tl.constexpr, WP: tl.constexpr, WD: tl.constexpr,
+):  # fmt: skip
+    """Edges ``first .. first+BLOCK_E`` with their liveness, the channel vector and mask, the
+    (edge, channel) mask and the pointer tile of each edge's source row of ``x``."""
+    edges = first + tl.arange(0, BLOCK_E)
+    edge_live = edges < n_edge
+    cvec = tl.arange(0, WP)
+    c_mask = cvec < WD
+    tile_mask = edge_live[:, None] & c_mask[None, :]
+    src = tl.load(src_ptr + edges, mask=edge_live, other=0).to(tl.int64)
+    x_tile = x_ptr + (src * x_sn)[:, None] + cvec[None, :]
+    return edges, edge_live, cvec, c_mask, tile_mask, x_tile
+
+
 # Forward kernel: one program per BLOCK_E consecutive edges, all channels.
 
 
@@ -391,14 +408,9 @@ def _rotate_mix_fwd_kernel(
     RANK: tl.constexpr, BLOCK_E: tl.constexpr, W_SR: tl.constexpr,
 ):  # fmt: skip
     ROW: tl.constexpr = (3 * L + 1) * FD
-    edges = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
-    edge_live = edges < n_edge
-    cvec = tl.arange(0, WP)
-    c_mask = cvec < WD
-    tile_mask = edge_live[:, None] & c_mask[None, :]
-
-    src = tl.load(src_ptr + edges, mask=edge_live, other=0).to(tl.int64)
-    x_tile = x_ptr + (src * x_sn)[:, None] + cvec[None, :]
+    edges, edge_live, cvec, c_mask, tile_mask, x_tile = _gather_edge_tile(
+        x_ptr, src_ptr, tl.program_id(0).to(tl.int64) * BLOCK_E, n_edge, x_sn, BLOCK_E, WP, WD
+    )
     xr = _rotate_to_local(x_tile, tile_mask, w_ptr + edges * w_se, edge_live,
                           L, BLOCK_E, WP, WD, W_SR)  # fmt: skip
 

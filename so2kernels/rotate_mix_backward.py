@@ -52,6 +52,7 @@ from torch.library import triton_op, wrap_triton
 from so2kernels._dispatch import require_fp32, use_triton
 from so2kernels._layout import n_coeff, n_reduced, reduced_to_packed_tensor
 from so2kernels.rotate_mix import (
+    _gather_edge_tile,
     _kernel_edge_stride,
     _kernel_entry,
     _load_basis,
@@ -311,13 +312,9 @@ def _rotate_mix_bwd_edge_kernel(
     DIM: tl.constexpr = (L + 1) * (L + 1)
     ROW: tl.constexpr = (3 * L + 1) * FD
     program = tl.program_id(0).to(tl.int64)
-    edges = program * BLOCK_E + tl.arange(0, BLOCK_E)
-    edge_live = edges < n_edge
-    cvec = tl.arange(0, WP)
-    c_mask = cvec < WD
-    tile_mask = edge_live[:, None] & c_mask[None, :]
-    src = tl.load(src_ptr + edges, mask=edge_live, other=0).to(tl.int64)
-    x_tile = x_ptr + (src * x_sn)[:, None] + cvec[None, :]
+    edges, edge_live, cvec, c_mask, tile_mask, x_tile = _gather_edge_tile(
+        x_ptr, src_ptr, program * BLOCK_E, n_edge, x_sn, BLOCK_E, WP, WD
+    )
     gu_chan = ((cvec // FD).to(tl.int64) * n_edge * ROW + cvec % FD)[None, :]
     kc_stride: tl.constexpr = _kernel_edge_stride(L, WD, RANK)
     basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
