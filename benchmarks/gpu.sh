@@ -36,6 +36,11 @@ case "$topic" in
     run python3 benchmarks/kernels_mixing_stack.py --cases bar --sweep --sweep-cases bar
     run python3 benchmarks/kernels_rotate_mix.py --cases 128,2,1,1 128,3,1,1 128,2,2,1 128,3,2,2 256,2,2,1 256,3,2,2 "$@"
     ;;
+  bar)  # the DeePMD bars in one call: stack + rotate_mix at E = 1.05M, model step with both tiers
+    STEP_S=200 run python3 benchmarks/kernels_mixing_stack.py --cases bar
+    STEP_S=100 run python3 benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 --compare-variants
+    STEP_S=240 run python3 benchmarks/model.py --cases bar:192,12288 --paths fused fused-fp16x3 --memory fast lean --profile --no-agreement --repeats 5 "$@"
+    ;;
   kernels-grid)
     run python3 benchmarks/kernels_mixing_stack.py --cases all --no-compile "$@"
     ;;
