@@ -174,9 +174,15 @@ class DPA4Model(nn.Module):
         return raw.double() + self.energy_bias[types]
 
     def initial_state(
-        self, types: Tensor, cache: EdgeCacheLike, taps: dict[str, Tensor] | None = None
+        self,
+        types: Tensor,
+        cache: EdgeCacheLike,
+        taps: dict[str, Tensor] | None = None,
+        *,
+        fused: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """``(x0 (N, (L+1)², C), fused radial features (E, L+1, C))`` (§1 steps 4–7)."""
+        """``(x0 (N, (L+1)², C), fused radial features (E, L+1, C))`` (§1 steps 4–7); ``fused``
+        runs the edge → centre sums as CSR segment ops."""
         cfg = self.config
         g = cache.graph
         n_nodes = types.shape[0]
@@ -188,9 +194,9 @@ class DPA4Model(nn.Module):
         x0_scalar = type_feat
         x = type_feat.new_zeros(n_nodes, (cfg.lmax + 1) ** 2, cfg.channels)
         if self.env_seed is not None:
-            logits = self.env_seed(types, cache, rbf)
+            logits = self.env_seed(types, cache, rbf, fused=fused)
             x0_scalar = film(type_feat, logits, self.film_scale_log, self.film_shift_log)
-            x = geometric_initial_embedding(cache, radial, n_nodes)
+            x = geometric_initial_embedding(cache, radial, n_nodes, fused=fused)
             if taps is not None:
                 taps["env_seed_film"] = logits
                 taps["gie_out"] = x
@@ -210,7 +216,7 @@ class DPA4Model(nn.Module):
         stack_precision: StackPrecision = StackPrecision.EXACT,
     ) -> Tensor:
         """Invariant per-atom descriptor ``(N, C)``: blocks then the residual l=0 readout."""
-        x, radial = self.initial_state(types, cache, taps)
+        x, radial = self.initial_state(types, cache, taps, fused=fused)
         if taps is not None:
             taps["x0"] = x
         chunks = plan_edge_chunks(cache.graph, edge_chunk)

@@ -8,16 +8,14 @@ GIE lifts ``R`` to l ≥ 1 through the zonal Wigner rows.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from service.model.config import ModelConfig
-from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
-from service.model.layers.linear import MLP, Dense, degree_of_packed_rows
+from service.model.layers.geometry import EdgeCacheLike, dst_sum
+from service.model.layers.linear import MLP, Dense
 
 
 class RadialBasis(nn.Module):
@@ -61,7 +59,8 @@ class EnvSeed(nn.Module):
         self.filter = MLP([s.g_in, s.hidden, s.embed])
         self.output = Dense(s.embed * s.axis, 2 * cfg.channels)
 
-    def forward(self, types: Tensor, cache: EdgeCacheLike, rbf: Tensor) -> Tensor:
+    def forward(self, types: Tensor, cache: EdgeCacheLike, rbf: Tensor, *, fused: bool) -> Tensor:
+        """FiLM logits ``(N, 2C)``; ``fused`` sums over each centre's edges with the CSR op."""
         g = cache.graph
         vec = cache.vec
         inv_r = torch.rsqrt((vec * vec).sum(-1, keepdim=True) + self.eps**2)
@@ -72,7 +71,7 @@ class EnvSeed(nn.Module):
         )
         filt = self.filter(filt_in)  # (E, embed)
         outer = r_tilde[:, :, None] * filt[:, None, :]  # (E, 4, embed)
-        agg = sum_into_dst(outer, g.dst, types.shape[0]) * cache.inv_sqrt_deg[:, None, None]
+        agg = dst_sum(outer, g, types.shape[0], fused=fused) * cache.inv_sqrt_deg[:, None, None]
         gram = torch.bmm(agg.transpose(1, 2), agg[:, :, : self.axis])  # (N, embed, axis)
         logits: Tensor = self.output(gram.flatten(1))
         return logits
@@ -85,26 +84,21 @@ def film(type_feat: Tensor, logits: Tensor, scale_log: Tensor, shift_log: Tensor
     return type_feat * scale + torch.exp(shift_log) * torch.tanh(logits[:, c:])
 
 
-@functools.cache
-def _zonal_gather_index(lmax: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """``(zonal_row, column, degree)``, each ``(D-1,)`` int64 over the packed rows l ≥ 1: the
-    Wigner entry ``D[(l,0), (l,m)]`` of row ``(l,m)`` and its degree (constant per device)."""
-    degree = degree_of_packed_rows(lmax)[1:]
-    column = torch.arange(1, (lmax + 1) ** 2)
-    zonal_row = degree * degree + degree
-    # Normal tensors even when first built under inference mode: autograd saves gather indices.
-    with torch.inference_mode(False):
-        return zonal_row.to(device), column.to(device), degree.to(device)
-
-
-def geometric_initial_embedding(cache: EdgeCacheLike, radial: Tensor, n_nodes: int) -> Tensor:
+def geometric_initial_embedding(
+    cache: EdgeCacheLike, radial: Tensor, n_nodes: int, *, fused: bool
+) -> Tensor:
     """GIE: ``x[i,(l,m)] = inv_sqrt_deg_i Σ_{dst=i} D[e,(l,0),(l,m)]·R[e,l]`` for l ≥ 1.
 
     ``radial (E, L+1, C)`` (before the type-feature fuse) → ``(N, (L+1)², C)`` with row 0 zero.
+    One product and one dst sum per degree: the degree's ``R[:, l]`` broadcasts over its 2l+1
+    zonal entries, so no (E, D-1, C) gathered copy of ``R`` is made or kept for the backward.
+    ``fused`` sums with the CSR op (deterministic, no atomics).
     """
-    zonal_row, column, degree = _zonal_gather_index(radial.shape[1] - 1, radial.device)
-    # One gather per operand for all degrees (no per-degree slices + cat).
-    zonal = cache.wigner[:, zonal_row, column]  # (E, D-1)
-    message = zonal[:, :, None] * radial.index_select(1, degree)  # (E, D-1, C)
-    out = sum_into_dst(message, cache.graph.dst, n_nodes) * cache.inv_sqrt_deg[:, None, None]
-    return F.pad(out, (0, 0, 1, 0))
+    lmax = radial.shape[1] - 1
+    per_degree = [radial.new_zeros(n_nodes, 1, radial.shape[2])]
+    for degree in range(1, lmax + 1):
+        rows = slice(degree * degree, (degree + 1) ** 2)
+        zonal = cache.wigner[:, degree * degree + degree, rows]  # (E, 2l+1): D[(l,0), (l,m)]
+        message = zonal[:, :, None] * radial[:, degree, None, :]  # (E, 2l+1, C)
+        per_degree.append(dst_sum(message, cache.graph, n_nodes, fused=fused))
+    return torch.cat(per_degree, dim=1) * cache.inv_sqrt_deg[:, None, None]
