@@ -82,6 +82,8 @@ def all_cases(which: str, n_edge: int) -> list[Case]:
     bar = Case("bar_deepmd", 2, 128, 1, BAR_EDGES)
     if which == "bar":
         return [bar]
+    if which == "served":  # the bar and the shipped default model's stack (Cf 64, lmax 2, F 2)
+        return [bar, Case("default_cf64_l2_f2", 2, 64, 2, n_edge, n_layers=2)]
     grid = [
         Case(f"cw{n_focus * cf}_l{lmax}_f{n_focus}", lmax, cf, n_focus, n_edge)
         for lmax in (2, 3)
@@ -198,16 +200,17 @@ def bench_impl(case: Case, fn: StackFn, ops: list[torch.Tensor]) -> dict[str, ob
 # Tile sweep
 
 
+# Candidates per tier. The exact list keeps the default and the three tiles within 2 % of the
+# best in the first full exact sweep on the H200 (tile_sweeps_partial_h200_2026-11-29.json: every
+# exact tile lay within 16-19 ms there); the fp16x3 list explores deeper K steps and more stages,
+# where that sweep found the tier still moving.
 _EXACT_CANDIDATES = [
-    TileConfig(64, 64, 32, 4, 2), TileConfig(64, 64, 32, 4, 3), TileConfig(64, 128, 32, 4, 2),
-    TileConfig(64, 128, 32, 8, 2), TileConfig(128, 64, 32, 8, 2), TileConfig(128, 128, 32, 8, 2),
-    TileConfig(64, 64, 16, 4, 3), TileConfig(32, 64, 32, 4, 2), TileConfig(128, 128, 16, 8, 3),
+    TileConfig(64, 64, 32, 4, 2), TileConfig(64, 64, 16, 4, 3), TileConfig(64, 64, 32, 4, 3),
+    TileConfig(64, 128, 32, 4, 2),
 ]  # fmt: skip
 _FAST_CANDIDATES = [
-    TileConfig(64, 64, 32, 4, 3), TileConfig(128, 64, 32, 8, 3), TileConfig(128, 128, 32, 8, 3),
-    TileConfig(128, 128, 32, 4, 3), TileConfig(128, 128, 64, 8, 3), TileConfig(128, 256, 32, 8, 3),
-    TileConfig(64, 128, 32, 4, 3), TileConfig(128, 128, 32, 8, 4), TileConfig(64, 256, 32, 8, 3),
-    TileConfig(128, 64, 64, 4, 3),
+    TileConfig(128, 64, 32, 8, 3), TileConfig(128, 128, 32, 8, 3), TileConfig(128, 128, 64, 8, 3),
+    TileConfig(128, 128, 64, 8, 4), TileConfig(128, 64, 64, 8, 3), TileConfig(64, 128, 64, 4, 3),
 ]  # fmt: skip
 
 
@@ -293,9 +296,10 @@ def main() -> None:
     parser.add_argument("--sweep-edges", type=int, default=262_144)
     parser.add_argument(
         "--sweep-cases",
-        choices=("bar", "all"),
-        default="bar",
-        help="shapes to tune: the bar case only (Cf 128, lmax 2) or every benchmarked shape",
+        choices=("bar", "served", "all"),
+        default="served",
+        help="shapes to tune: the bar case (Cf 128, lmax 2), plus the shipped default model's "
+        "(Cf 64, lmax 2) with 'served', or every benchmarked shape",
     )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False

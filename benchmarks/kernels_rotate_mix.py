@@ -4,12 +4,18 @@ For C_wide 128/256, lmax 2/3, F 1/2, rank 1/2 at E edges (default 1M, ~64 edges 
 forward and forward+backward time (median of CUDA-event timings), effective GB/s of the fused
 kernels against a minimal-traffic model, peak memory above the inputs, and the fused error
 against a float64 reference on the first edges. Each row names the backward schedule the tile
-table picked (``fused_bwd_variant``, ``fused_bwd_tiles``) and, with ``--compare-variants``, times
-the backward launch alone under both schedules (``bwd_node_ms``, ``bwd_edge_ms``). Writes one
-JSON under benchmarks/results/.
+table picked (``fused_bwd_variant``, ``fused_bwd_tiles``).
+
+``--compare-variants`` times the backward launch alone (no basis gradient, as in force
+evaluation) under every schedule in VARIANT_SCHEDULES (``bwd_<name>_ms``, with each one's
+largest gradient difference from the table's pick), and repeats that comparison on a small graph
+(``--small-edges``/``--small-degree``, default the 192-atom water box: 17,064 edges, 89 per
+node), one more JSON row per case. It leaves torch.compile out (its compile time dominates);
+the main comparison keeps it. Writes one JSON under benchmarks/results/.
 
     python benchmarks/kernels_rotate_mix.py                      # full grid, E = 1M
-    python benchmarks/kernels_rotate_mix.py --edges 200000 --cases 128,2,1,1 --compare-variants
+    python benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 128,3,1,1 \
+        --compare-variants
 """
 
 from __future__ import annotations
@@ -33,10 +39,18 @@ from so2kernels._layout import SUPPORTED_FOCUS_DIMS, n_coeff, n_kernel_slots, n_
 from so2kernels.rotate_mix import rotate_mix, rotate_mix_reference
 from so2kernels.rotate_mix_backward import launch_rotate_mix_bwd
 from so2kernels.segment import csr_from_index
-from so2kernels.tiles import LaunchTiles, fallback_tiles, rotate_mix_tiles
+from so2kernels.tiles import LaunchTiles, csr_chunk, rotate_mix_tiles
 
-EDGE_COMPARISON_TILES = LaunchTiles(block_e=2, num_warps=4, variant="edge")
-"""The edge schedule timed by --compare-variants when the table did not pick it."""
+VARIANT_SCHEDULES = {
+    "node": LaunchTiles(block_e=1, num_warps=4, variant="node"),
+    "edge": LaunchTiles(block_e=2, num_warps=4, variant="edge"),
+    "csr": LaunchTiles(block_e=1, num_warps=1, variant="csr"),
+    "csr_chunk32": LaunchTiles(block_e=1, num_warps=1, variant="csr", chunk=32),
+    "csr_chunk256": LaunchTiles(block_e=1, num_warps=1, variant="csr", chunk=256),
+}
+"""Backward schedules timed by --compare-variants besides the table's pick: the node and edge
+schedules as the H200 ran them before the csr schedule (node: the old fallback; edge: its best
+measured tiles), and the csr schedule with its automatic chunk and two fixed ones."""
 
 H200_HBM_GBPS = 4800.0
 """H200 SXM peak HBM3e bandwidth."""
@@ -108,12 +122,12 @@ def run_case(
     leaves = [ops[0], ops[4], ops[5], ops[6]]
     for t in leaves:
         t.requires_grad_(True)
-    compiled_ref = torch.compile(rotate_mix_reference, dynamic=False)
     impls: dict[str, Callable[..., torch.Tensor]] = {
         "fused": rotate_mix,
         "eager": rotate_mix_reference,
-        "compiled": compiled_ref,
     }
+    if not args.compare_variants:
+        impls["compiled"] = torch.compile(rotate_mix_reference, dynamic=False)
     grad_u = torch.randn(n_focus, args.edges, n_reduced(lmax) * focus_dim, device="cuda")
 
     for name, fn in impls.items():
@@ -126,6 +140,12 @@ def run_case(
 
             row[f"{name}_fwdbwd_ms"] = time_ms(fwd_bwd, args.warmup, args.iters)
             row[f"{name}_fwdbwd_peak_mb"] = peak_mb(fwd_bwd)
+            if name == "fused":
+                # The bar's gradients (force evaluation): x, wigner and kc, no basis gradient.
+                row["fused_fwdbwd_force_ms"] = time_ms(
+                    lambda fn=fn: torch.autograd.grad(fn(*ops), leaves[:3], grad_u),
+                    args.warmup, args.iters,
+                )  # fmt: skip
         except torch.OutOfMemoryError as err:
             row[f"{name}_error"] = f"OOM: {str(err)[:120]}"
             torch.cuda.empty_cache()
@@ -153,26 +173,53 @@ def run_case(
 def time_variants(
     ops: Operands, grad_u: torch.Tensor, picked: LaunchTiles, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Backward launch alone (no basis gradient, as in force evaluation) under each schedule:
-    the table's pick for its variant, the fallback or EDGE_COMPARISON_TILES for the other."""
+    """Backward launch alone (no basis gradient, as in force evaluation) under the table's pick
+    and every VARIANT_SCHEDULES entry; each with its tiles (csr: the chunk it ran with) and its
+    largest gradient difference from the pick, relative to the pick's largest entry."""
     x, src, order, row_ptr, wigner, kc, cb, lmax, n_focus, rank = ops
-    c_wide = x.shape[2]
-    schedules = {
-        "node": picked if picked.variant == "node" else fallback_tiles("bwd", c_wide, lmax),
-        "edge": picked if picked.variant == "edge" else EDGE_COMPARISON_TILES,
-    }
+    n_edge = src.shape[0]
+    bwd_bytes = traffic_bytes(x.shape[2], lmax, rank, n_edge, x.shape[0])["bwd"]
+    operands = (x.detach(), src, order, row_ptr, wigner.detach(), kc.detach(), cb.detach(),
+                lmax, n_focus, rank, False)  # fmt: skip
     out: dict[str, Any] = {}
     with torch.no_grad():
-        for variant, tiles in schedules.items():
+        want = launch_rotate_mix_bwd(grad_u, *operands, picked)[:3]
+        for name, tiles in {"picked": picked, **VARIANT_SCHEDULES}.items():
 
             def launch(tiles: LaunchTiles = tiles) -> object:
-                return launch_rotate_mix_bwd(grad_u, x.detach(), src, order, row_ptr,
-                                             wigner.detach(), kc.detach(), cb.detach(), lmax,
-                                             n_focus, rank, False, tiles)  # fmt: skip
+                return launch_rotate_mix_bwd(grad_u, *operands, tiles)
 
-            out[f"bwd_{variant}_ms"] = time_ms(launch, args.warmup, args.iters)
-            out[f"bwd_{variant}_tiles"] = dataclasses.asdict(tiles)
+            try:
+                out[f"bwd_{name}_ms"] = time_ms(launch, args.warmup, args.iters)
+                out[f"bwd_{name}_GBps"] = bwd_bytes / out[f"bwd_{name}_ms"] / 1e6
+            except torch.OutOfMemoryError as err:
+                out[f"bwd_{name}_error"] = f"OOM: {str(err)[:120]}"
+                torch.cuda.empty_cache()
+                continue
+            chunk = csr_chunk(n_edge, tiles) if tiles.variant == "csr" else None
+            out[f"bwd_{name}_tiles"] = {**dataclasses.asdict(tiles), "chunk": chunk}
+            got = launch_rotate_mix_bwd(grad_u, *operands, tiles)[:3]
+            out[f"bwd_{name}_max_rel_diff"] = max(
+                float((g - w).abs().max() / w.abs().max().clamp_min(1e-30))
+                for g, w in zip(got, want, strict=True)
+            )
+            del got
     return out
+
+
+def run_small_graph(
+    c_wide: int, lmax: int, n_focus: int, rank: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The variant comparison alone on the small graph: few nodes, so the node schedule has few
+    programs; this is where the csr schedule's E-proportional parallelism shows."""
+    n_edge, n_node = args.small_edges, args.small_edges // args.small_degree
+    row: dict[str, Any] = {"c_wide": c_wide, "lmax": lmax, "n_focus": n_focus, "rank": rank,
+                           "n_edge": n_edge, "n_node": n_node, "graph": "small"}  # fmt: skip
+    ops = make_operands(c_wide, lmax, n_focus, rank, n_edge, n_node)
+    grad_u = torch.randn(n_focus, n_edge, n_reduced(lmax) * (c_wide // n_focus), device="cuda")
+    picked = rotate_mix_tiles("bwd", c_wide, lmax, rank, ops[0].device)
+    row["fused_bwd_variant"] = picked.variant
+    return {**row, **time_variants(ops, grad_u, picked, args)}
 
 
 def fused_error(ops: Operands, n_check: int = 20_000) -> float:
@@ -203,8 +250,11 @@ def main() -> None:
     parser.add_argument(
         "--compare-variants",
         action="store_true",
-        help="also time the backward launch under both schedules (node, edge)",
+        help="time the backward launch under every schedule, also on the small graph "
+        "(leaves torch.compile out)",
     )
+    parser.add_argument("--small-edges", type=int, default=17_064, help="0: no small graph")
+    parser.add_argument("--small-degree", type=int, default=89)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -215,9 +265,13 @@ def main() -> None:
                  for r in (1, 2)]  # fmt: skip
     rows = []
     for c_wide, lmax, n_focus, rank in cases:
-        row = run_case(c_wide, lmax, n_focus, rank, args)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        case_rows = [run_case(c_wide, lmax, n_focus, rank, args)]
+        torch.cuda.empty_cache()
+        if args.compare_variants and args.small_edges > 0:
+            case_rows.append(run_small_graph(c_wide, lmax, n_focus, rank, args))
+        for row in case_rows:
+            print(json.dumps(row), flush=True)
+        rows.extend(case_rows)
         torch.cuda.empty_cache()
     stamp = dt.datetime.now(dt.UTC)
     report = {

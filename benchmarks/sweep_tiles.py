@@ -2,10 +2,12 @@
 
 Every candidate (block_e, num_warps[, variant]) is first validated against the float64 reference
 on a small problem (a candidate that fails to compile or to match is dropped), then timed at the
-sweep size. The forward entry is the fastest candidate. The backward times both schedules, the
-node-centric one ("node") and the edge-parallel one with its CSR segment sum ("edge"), and writes
-the winner with its ``variant`` only when it beat the fallback (node, per-edge, table-free); the
-best time of each variant is recorded beside it (``node_ms``, ``edge_ms``).
+sweep size. The forward entry is the fastest candidate. The backward times every schedule, the
+CSR-chunk one ("csr"), the node-centric one ("node") and the edge-parallel one with its CSR
+segment sum ("edge"), and writes the winner with its ``variant`` only when it beat the fallback
+(csr, per-edge steps, table-free); the best time of each variant is recorded beside it
+(``csr_ms``, ``node_ms``, ``edge_ms``). The csr chunk is left to the launcher (it follows E, and
+a table entry is keyed by shape only).
 
     python benchmarks/sweep_tiles.py                        # default keys
     python benchmarks/sweep_tiles.py --keys 128,2,1,1 256,3,2,2 --edges 500000
@@ -43,9 +45,11 @@ from so2kernels.tiles import (
 )
 
 FWD_CANDIDATES = [LaunchTiles(b, w) for b in (1, 2, 4, 8) for w in (2, 4, 8)]
-BWD_CANDIDATES = [LaunchTiles(b, w, "node") for b in (1, 2, 4) for w in (4, 8, 16)] + [
-    LaunchTiles(b, w, "edge") for b in (1, 2, 4, 8) for w in (2, 4, 8)
-]
+BWD_CANDIDATES = (
+    [LaunchTiles(b, w, "csr") for b in (1, 2) for w in (1, 2, 4)]
+    + [LaunchTiles(b, w, "node") for b in (1, 2, 4) for w in (1, 4, 8)]
+    + [LaunchTiles(b, w, "edge") for b in (1, 2, 4) for w in (1, 2, 4)]
+)
 VALIDATION_REL_TOL = 1e-5
 
 

@@ -14,19 +14,25 @@ n_focus, rank, want_cb) -> (grad_x, grad_wigner, grad_kc, grad_cb)``:
 
 Fused schedules (``LaunchTiles.variant``, picked per shape by the tile table):
 
-* ``"node"`` (the fallback): one program per node walks that node's outgoing edges (its ``src``
-  segment) in steps of ``block_e`` edges. Per step it recomputes the rotated rows in registers
-  from the node's features (nothing per edge is saved by the forward), forms the kernel and
-  Wigner gradients of those edges, and adds ``Wᵀ·g_local`` into a register accumulator of the
-  node's gradient: the CSR segment sum fused into the producer, no per-edge intermediate.
+* ``"csr"`` (the fallback): program p takes the fixed-length chunk ``p·chunk ..`` of the source
+  CSR order (``chunk`` follows E, so the program count does too, however few the nodes) and
+  walks the node segments inside it, ``block_e`` edges per step. Edges of one segment share the
+  node's feature rows; the rotated rows are recomputed in registers (nothing per edge is saved
+  by the forward); the node gradient ``Wᵀ·g_local`` accumulates in registers per edge lane and
+  is summed once per segment. A segment cut by a chunk boundary leaves one (D, C_wide) part per
+  chunk, which a per-node pass sums in chunk order (it also zero-fills nodes without edges).
+  With one warp per program every per-edge channel reduction (Wigner and kernel gradients)
+  stays in the warp: shuffles, no shared memory, no barrier.
+* ``"node"``: one program per node walks that node's whole segment the same way: no cut
+  segments, but only N programs, and as unbalanced as the degrees.
 * ``"edge"``: one program per ``block_e`` consecutive edges (coalesced, edge-order reads of
   ``grad_u``/``wigner``/``kc`` and writes of their gradients) does the same per-edge work and
   writes ``Wᵀ·g_local`` as a per-edge node gradient (E, D, C_wide), which the CSR
-  ``segment_sum`` over ``(src_order, src_rowptr)`` then reduces. It trades that intermediate's
-  write and read for E / block_e independent programs instead of N long dependent chains.
+  ``segment_sum`` over ``(src_order, src_rowptr)`` then reduces: that intermediate's write and
+  read for E / block_e independent programs.
 
-Both sum the node gradient in CSR order and the basis gradient over per-program partials in a
-fixed order: deterministic, no atomics.
+All three sum the node gradient and the basis gradient's per-program partials in a fixed order:
+deterministic, no atomics.
 
 Second order: the op is linear in each of (x, wigner, kc, cb) and so is its output in the
 cotangent, so the backward of the backward is a sum of forward and backward launches, each with
@@ -41,6 +47,7 @@ one operand replaced by the incoming cotangent (closed form; no nested autograd)
 # mypy: disable-error-code="no-untyped-def,untyped-decorator,assignment"
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,7 +77,7 @@ from so2kernels.rotate_mix import (
     wigner_reduced_rows,
 )
 from so2kernels.segment import _launch_segment_sum, segment_sum_reference
-from so2kernels.tiles import LaunchTiles, rotate_mix_tiles
+from so2kernels.tiles import LaunchTiles, csr_chunk, rotate_mix_tiles
 
 # Eager closed-form reference (any dtype)
 
@@ -121,8 +128,10 @@ def rotate_mix_backward_reference(
     return grad_x, grad_wigner, grad_kc, grad_cb
 
 
-# Triton kernels: the node and edge schedules share the per-edge-block body.
-# grad_kc / grad_wigner / grad_x / grad_u are contiguous, so their inner strides are constants.
+# Triton kernels. Every schedule runs the same per-edge-block body (`_local_gradient`, then
+# `_adjoint_column` per packed column); they differ in which edges one program takes and in where
+# the node gradient is reduced. grad_kc / grad_wigner / grad_x / grad_u are contiguous, so their
+# inner strides are constants.
 
 
 @triton.jit
@@ -138,11 +147,11 @@ def _store_kernel_grads_by_degree(gy, xr, gkc_edge, cvec, tile_mask, L: tl.const
 
 @triton.jit
 def _accumulate_basis_grad(cb_acc, t, kc_edge, edge_live, slot: tl.constexpr, RANK: tl.constexpr):
-    """``cb_acc[r] += Σ_edges kc[e, slot·R + r] · t[e, :]`` for every r."""
+    """``cb_acc[r] += kc[e, slot·R + r] · t[e, :]`` for every r, kept per edge lane: the sum over
+    the edge axis is taken once per program (``_store_basis_partial``), not once per step."""
     updated = ()
     for r in tl.static_range(RANK):
-        k = _kernel_entry(kc_edge, edge_live, slot, r, RANK)
-        updated = updated + (cb_acc[r] + tl.sum(t * k, axis=0),)
+        updated = updated + (cb_acc[r] + t * _kernel_entry(kc_edge, edge_live, slot, r, RANK),)
     return updated
 
 
@@ -205,7 +214,7 @@ def _local_gradient(
     L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr, RANK: tl.constexpr,
     WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr, W_SR: tl.constexpr,
 ):  # fmt: skip
-    """Shared per-edge-block body of both schedules: recompute the rotated rows, store the kernel
+    """Shared per-edge-block body of every schedule: recompute the rotated rows, store the kernel
     gradients (and add the basis gradient to ``cb_acc``), and return ``(g_local, cb_acc)`` with
     ``g_local`` the 3L+1 reduced-row gradients before the rotation, each (BLOCK_E, WP)."""
     xr = _rotate_to_local(x_tile, x_mask, w_edge, edge_live, L, BLOCK_E, WP, WD, W_SR)
@@ -224,52 +233,54 @@ def _local_gradient(
 
 
 @triton.jit
-def _zero_rows(COUNT: tl.constexpr, WP: tl.constexpr):
-    """A tuple of COUNT (WP,) fp32 zero accumulators."""
-    rows = ()
+def _zero_tiles(COUNT: tl.constexpr, BLOCK_E: tl.constexpr, WP: tl.constexpr):
+    """A tuple of COUNT (BLOCK_E, WP) fp32 zero accumulators."""
+    tiles = ()
     for _ in tl.static_range(COUNT):
-        rows = rows + (tl.zeros((WP,), dtype=tl.float32),)
-    return rows
+        tiles = tiles + (tl.zeros((BLOCK_E, WP), dtype=tl.float32),)
+    return tiles
 
 
 @triton.jit
 def _store_basis_partial(gcb_ptr, program, cb_acc, cvec, c_mask, RANK: tl.constexpr,
                          WD: tl.constexpr):  # fmt: skip
-    """This program's basis-gradient partial into row ``program`` of (P, R, WD)."""
+    """This program's basis-gradient partial (its edge lanes summed) into row ``program`` of
+    (P, R, WD)."""
     gcb_row = gcb_ptr + program * (RANK * WD) + cvec
     for r in tl.static_range(RANK):
-        tl.store(gcb_row + r * WD, cb_acc[r], mask=c_mask)
+        tl.store(gcb_row + r * WD, tl.sum(cb_acc[r], axis=0), mask=c_mask)
 
 
 @triton.jit
-def _rotate_mix_bwd_kernel(
-    gu_ptr, x_ptr, w_ptr, kc_ptr, cb_ptr, order_ptr, rowptr_ptr,
-    gx_ptr, gw_ptr, gkc_ptr, gcb_ptr,
-    n_edge, x_sn, w_se,
+def _store_node_rows(dest, rows, cvec, write, DIM: tl.constexpr, WD: tl.constexpr):
+    """The DIM (WP,) rows of one node gradient into ``dest`` (a contiguous (DIM, WD) block)."""
+    for d in tl.static_range(DIM):
+        tl.store(dest + d * WD + cvec, rows[d], mask=write)
+
+
+@triton.jit
+def _walk_source_segment(
+    gu_ptr, x_ptr, w_ptr, kc_ptr, order_ptr, gw_ptr, gkc_ptr,
+    node, lo, hi, n_edge, x_sn, w_se, cvec, c_mask, basis, cb_acc,
     L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr,
     RANK: tl.constexpr, WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr,
     W_SR: tl.constexpr, GW_SR: tl.constexpr,
 ):  # fmt: skip
-    """Node variant: one program per node, its source segment BLOCK_E edges per step."""
+    """CSR positions ``lo .. hi`` of ``node``'s source segment, BLOCK_E edges per step: store
+    each edge's Wigner and kernel gradients and return ``(rows, cb_acc)``, ``rows`` the DIM
+    (WP,) rows of ``Σ_edges Wᵀ·g_local``. Every edge starts at ``node``, so its feature rows are
+    one shared (1, WP) tile per packed row; the node gradient stays per edge lane in registers
+    and is summed over the lanes once, after the walk (no per-step cross-lane reduction)."""
     DIM: tl.constexpr = (L + 1) * (L + 1)
     ROW: tl.constexpr = (3 * L + 1) * FD
-    node = tl.program_id(0).to(tl.int64)
-    cvec = tl.arange(0, WP)
-    c_mask = cvec < WD
-    first = tl.load(rowptr_ptr + node)
-    stop = tl.load(rowptr_ptr + node + 1)
-    # Every edge of the segment starts at this node: its feature rows are shared, (1, WP).
+    kc_stride: tl.constexpr = _kernel_edge_stride(L, WD, RANK)
     x_tile = x_ptr + node * x_sn + cvec[None, :]
     x_mask = c_mask[None, :]
     gu_chan = ((cvec // FD).to(tl.int64) * n_edge * ROW + cvec % FD)[None, :]
-    kc_stride: tl.constexpr = _kernel_edge_stride(L, WD, RANK)
-    basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
-    gx_acc = _zero_rows(DIM, WP)
-    cb_acc = _zero_rows(RANK if WANT_CB else 0, WP)
-
-    for k0 in range(first, stop, BLOCK_E):
+    gx_acc = _zero_tiles(DIM, BLOCK_E, WP)
+    for k0 in range(lo, hi, BLOCK_E):
         pos = k0 + tl.arange(0, BLOCK_E)
-        edge_live = pos < stop
+        edge_live = pos < hi
         edges = tl.load(order_ptr + pos, mask=edge_live, other=0)
         tile_mask = edge_live[:, None] & c_mask[None, :]
         w_edge = w_ptr + edges * w_se
@@ -288,14 +299,109 @@ def _rotate_mix_bwd_kernel(
                     l, L, W_SR, GW_SR,
                 )  # fmt: skip
                 # Indexed by the literal expression: Triton does not fold a named index here.
-                updated = updated + (gx_acc[l * l + j] + tl.sum(contrib, axis=0),)
+                updated = updated + (gx_acc[l * l + j] + contrib,)
         gx_acc = updated
-
-    gx_node = gx_ptr + node * (DIM * WD) + cvec
+    rows = ()
     for d in tl.static_range(DIM):
-        tl.store(gx_node + d * WD, gx_acc[d], mask=c_mask)
+        rows = rows + (tl.sum(gx_acc[d], axis=0),)
+    return rows, cb_acc
+
+
+@triton.jit
+def _rotate_mix_bwd_kernel(
+    gu_ptr, x_ptr, w_ptr, kc_ptr, cb_ptr, order_ptr, rowptr_ptr,
+    gx_ptr, gw_ptr, gkc_ptr, gcb_ptr,
+    n_edge, x_sn, w_se,
+    L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr,
+    RANK: tl.constexpr, WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr,
+    W_SR: tl.constexpr, GW_SR: tl.constexpr,
+):  # fmt: skip
+    """Node variant: one program per node, its whole source segment."""
+    DIM: tl.constexpr = (L + 1) * (L + 1)
+    node = tl.program_id(0).to(tl.int64)
+    cvec = tl.arange(0, WP)
+    c_mask = cvec < WD
+    basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
+    rows, cb_acc = _walk_source_segment(
+        gu_ptr, x_ptr, w_ptr, kc_ptr, order_ptr, gw_ptr, gkc_ptr,
+        node, tl.load(rowptr_ptr + node), tl.load(rowptr_ptr + node + 1), n_edge, x_sn, w_se,
+        cvec, c_mask, basis, _zero_tiles(RANK if WANT_CB else 0, BLOCK_E, WP),
+        L, FD, WD, WP, RANK, WANT_CB, BLOCK_E, W_SR, GW_SR,
+    )  # fmt: skip
+    _store_node_rows(gx_ptr + node * (DIM * WD), rows, cvec, c_mask, DIM, WD)
     if WANT_CB:
         _store_basis_partial(gcb_ptr, node, cb_acc, cvec, c_mask, RANK, WD)
+
+
+@triton.jit
+def _rotate_mix_bwd_csr_kernel(
+    gu_ptr, x_ptr, src_ptr, w_ptr, kc_ptr, cb_ptr, order_ptr, rowptr_ptr,
+    gx_ptr, part_ptr, gw_ptr, gkc_ptr, gcb_ptr,
+    n_edge, chunk, x_sn, w_se,
+    L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr,
+    RANK: tl.constexpr, WANT_CB: tl.constexpr, BLOCK_E: tl.constexpr,
+    W_SR: tl.constexpr, GW_SR: tl.constexpr,
+):  # fmt: skip
+    """CSR variant: program p takes the ``chunk`` CSR positions ``p·chunk ..`` and walks the
+    source segments they cut, node by node. A node whose segment lies inside the chunk is
+    stored to ``grad_x``; the part of a segment cut by a chunk boundary goes to
+    ``part[p, 0]`` (the chunk's first node, begun in an earlier chunk) or ``part[p, 1]`` (its
+    last node, continued in a later chunk) for ``_finish_split_nodes_kernel``. Nodes without
+    edges are left to that kernel as well."""
+    DIM: tl.constexpr = (L + 1) * (L + 1)
+    program = tl.program_id(0).to(tl.int64)
+    start = program * chunk
+    stop = tl.minimum(start + chunk, n_edge)
+    cvec = tl.arange(0, WP)
+    c_mask = cvec < WD
+    basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
+    cb_acc = _zero_tiles(RANK if WANT_CB else 0, BLOCK_E, WP)
+    # Sources are non-decreasing along the CSR order: the chunk covers this node range.
+    first_node = tl.load(src_ptr + tl.load(order_ptr + start))
+    last_node = tl.load(src_ptr + tl.load(order_ptr + stop - 1))
+    part_first = part_ptr + program * (2 * DIM * WD)
+    for node in range(first_node, last_node + 1):
+        seg_begin = tl.load(rowptr_ptr + node)
+        seg_end = tl.load(rowptr_ptr + node + 1)
+        lo = tl.maximum(seg_begin, start)
+        hi = tl.minimum(seg_end, stop)
+        rows, cb_acc = _walk_source_segment(
+            gu_ptr, x_ptr, w_ptr, kc_ptr, order_ptr, gw_ptr, gkc_ptr,
+            node, lo, hi, n_edge, x_sn, w_se, cvec, c_mask, basis, cb_acc,
+            L, FD, WD, WP, RANK, WANT_CB, BLOCK_E, W_SR, GW_SR,
+        )  # fmt: skip
+        dest = gx_ptr + node * (DIM * WD)
+        if seg_begin < start:
+            dest = part_first
+        elif seg_end > stop:
+            dest = part_first + DIM * WD
+        _store_node_rows(dest, rows, cvec, c_mask & (hi > lo), DIM, WD)
+    if WANT_CB:
+        _store_basis_partial(gcb_ptr, program, cb_acc, cvec, c_mask, RANK, WD)
+
+
+@triton.jit
+def _finish_split_nodes_kernel(
+    gx_ptr, part_ptr, rowptr_ptr, chunk,
+    DIM: tl.constexpr, DP: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr,
+):  # fmt: skip
+    """One program per node, after the CSR variant: a segment cut across chunks
+    ``first .. last`` sums ``part[first, 1] + part[first+1, 0] + … + part[last, 0]`` in that
+    fixed order; a node without edges gets zeros; any other node is already stored."""
+    node = tl.program_id(0).to(tl.int64)
+    seg_begin = tl.load(rowptr_ptr + node)
+    seg_end = tl.load(rowptr_ptr + node + 1)
+    first = seg_begin // chunk
+    last = tl.maximum(seg_end - 1, seg_begin) // chunk
+    split = last > first
+    block = tl.arange(0, DP)[:, None] * WD + tl.arange(0, WP)[None, :]
+    in_block = (tl.arange(0, DP)[:, None] < DIM) & (tl.arange(0, WP)[None, :] < WD)
+    total = tl.load(part_ptr + (2 * first + 1) * (DIM * WD) + block, mask=in_block & split,
+                    other=0.0)  # fmt: skip
+    for p in range(first + 1, last + 1):
+        total += tl.load(part_ptr + 2 * p * (DIM * WD) + block, mask=in_block, other=0.0)
+    no_edges = seg_end == seg_begin
+    tl.store(gx_ptr + node * (DIM * WD) + block, total, mask=in_block & (split | no_edges))
 
 
 @triton.jit
@@ -318,7 +424,7 @@ def _rotate_mix_bwd_edge_kernel(
     gu_chan = ((cvec // FD).to(tl.int64) * n_edge * ROW + cvec % FD)[None, :]
     kc_stride: tl.constexpr = _kernel_edge_stride(L, WD, RANK)
     basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
-    cb_acc = _zero_rows(RANK if WANT_CB else 0, WP)
+    cb_acc = _zero_tiles(RANK if WANT_CB else 0, BLOCK_E, WP)
     w_edge = w_ptr + edges * w_se
     g_local, cb_acc = _local_gradient(
         x_tile, tile_mask, w_edge, kc_ptr + edges * kc_stride, gkc_ptr + edges * kc_stride,
@@ -340,6 +446,92 @@ def _rotate_mix_bwd_edge_kernel(
 # Launcher
 
 
+@dataclass(frozen=True)
+class _BackwardLaunch:
+    """Operands of one backward launch in kernel layouts, its outputs written in place by every
+    schedule, and the kernels' compile-time constants."""
+
+    grad_u: Tensor
+    x: Tensor
+    src: Tensor
+    src_order: Tensor
+    src_rowptr: Tensor
+    wigner: Tensor
+    kc: Tensor
+    cb: Tensor
+    grad_wigner: Tensor
+    grad_kc: Tensor
+    want_cb: bool
+    consts: dict[str, Any]
+
+    def basis_partials(self, n_programs: int) -> Tensor:
+        """(P, R, C_wide) per-program basis-gradient partials, or (0,) when not wanted."""
+        shape = (n_programs, self.cb.shape[0], self.x.shape[2]) if self.want_cb else (0,)
+        return torch.empty(shape, device=self.x.device, dtype=torch.float32)
+
+
+def _run_node_schedule(run: _BackwardLaunch, tiles: LaunchTiles) -> tuple[Tensor, Tensor]:
+    """Node variant: one program per node writes that node's gradient. -> (grad_x, partials)."""
+    grad_x = torch.empty(run.x.shape, device=run.x.device, dtype=run.x.dtype)
+    partial_cb = run.basis_partials(run.x.shape[0])
+    if run.x.shape[0] > 0:
+        wrap_triton(_rotate_mix_bwd_kernel)[(run.x.shape[0],)](
+            run.grad_u, run.x, run.wigner, run.kc, run.cb, run.src_order, run.src_rowptr,
+            grad_x, run.grad_wigner, run.grad_kc, partial_cb,
+            run.src.shape[0], run.x.stride(0), run.wigner.stride(0),
+            BLOCK_E=tiles.block_e, num_warps=tiles.num_warps, **run.consts,
+        )  # fmt: skip
+    return grad_x, partial_cb
+
+
+def _run_edge_schedule(run: _BackwardLaunch, tiles: LaunchTiles) -> tuple[Tensor, Tensor]:
+    """Edge variant: per-edge node gradients (E, D, C_wide), then the CSR segment sum (one
+    program per node, in CSR order: deterministic). -> (grad_x, partials)."""
+    n_edge = run.src.shape[0]
+    n_programs = triton.cdiv(n_edge, tiles.block_e)
+    edge_rows = torch.empty((n_edge, *run.x.shape[1:]), device=run.x.device, dtype=run.x.dtype)
+    partial_cb = run.basis_partials(n_programs)
+    if n_programs > 0:
+        wrap_triton(_rotate_mix_bwd_edge_kernel)[(n_programs,)](
+            run.grad_u, run.x, run.src, run.wigner, run.kc, run.cb,
+            edge_rows, run.grad_wigner, run.grad_kc, partial_cb,
+            n_edge, run.x.stride(0), run.wigner.stride(0),
+            BLOCK_E=tiles.block_e, num_warps=tiles.num_warps, **run.consts,
+        )  # fmt: skip
+    return _launch_segment_sum(edge_rows, run.src_order, run.src_rowptr), partial_cb
+
+
+def _run_csr_schedule(run: _BackwardLaunch, tiles: LaunchTiles) -> tuple[Tensor, Tensor]:
+    """CSR variant: fixed-length chunks of the source CSR order, then one program per node
+    finishes the segments cut by chunk boundaries and zero-fills nodes without edges.
+    -> (grad_x, partials)."""
+    n_node, dim, c_wide = run.x.shape
+    n_edge = run.src.shape[0]
+    chunk = csr_chunk(n_edge, tiles)
+    n_programs = triton.cdiv(n_edge, chunk)
+    grad_x = torch.empty(run.x.shape, device=run.x.device, dtype=run.x.dtype)
+    # Slot 0: the chunk's first node begun earlier; slot 1: its last node continued later.
+    cut_parts = torch.empty((n_programs, 2, dim, c_wide), device=run.x.device, dtype=run.x.dtype)
+    partial_cb = run.basis_partials(n_programs)
+    if n_programs > 0:
+        wrap_triton(_rotate_mix_bwd_csr_kernel)[(n_programs,)](
+            run.grad_u, run.x, run.src, run.wigner, run.kc, run.cb, run.src_order,
+            run.src_rowptr, grad_x, cut_parts, run.grad_wigner, run.grad_kc, partial_cb,
+            n_edge, chunk, run.x.stride(0), run.wigner.stride(0),
+            BLOCK_E=tiles.block_e, num_warps=tiles.num_warps, **run.consts,
+        )  # fmt: skip
+    if n_node > 0:
+        wrap_triton(_finish_split_nodes_kernel)[(n_node,)](
+            grad_x, cut_parts, run.src_rowptr, chunk,
+            DIM=dim, DP=triton.next_power_of_2(dim), WD=c_wide, WP=run.consts["WP"],
+            num_warps=4,
+        )  # fmt: skip
+    return grad_x, partial_cb
+
+
+_SCHEDULES = {"node": _run_node_schedule, "edge": _run_edge_schedule, "csr": _run_csr_schedule}
+
+
 def launch_rotate_mix_bwd(
     grad_u: Tensor,
     x: Tensor,
@@ -355,45 +547,21 @@ def launch_rotate_mix_bwd(
     want_cb: bool,
     tiles: LaunchTiles,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Run the backward schedule ``tiles.variant`` ("node" or "edge") with explicit tiles."""
-    n_node, dim, c_wide = x.shape
-    n_edge = src.shape[0]
+    """Run the backward schedule ``tiles.variant`` ("csr", "node" or "edge") with explicit
+    tiles."""
+    c_wide = x.shape[2]
     want_cb = want_cb and rank > 0
-    n_programs = n_node if tiles.variant == "node" else triton.cdiv(n_edge, tiles.block_e)
     # Zero-filled: only the structural entries are written by the kernels.
     grad_wigner = torch.zeros(wigner.shape, device=wigner.device, dtype=wigner.dtype)
     grad_kc = torch.empty(kc.shape, device=kc.device, dtype=kc.dtype)
-    partial_cb = torch.empty(
-        (n_programs, rank, c_wide) if want_cb else (0,), device=x.device, dtype=torch.float32
-    )
-    # The node variant writes grad_x itself; the edge variant writes one row per edge.
-    n_rows = n_node if tiles.variant == "node" else n_edge
-    node_rows = torch.empty((n_rows, dim, c_wide), device=x.device, dtype=x.dtype)
-    if n_programs > 0:
-        x, wigner, kc, cb = kernel_operands(x, wigner, kc, cb)
-        consts: dict[str, Any] = {
-            "L": lmax, "FD": c_wide // n_focus, "WD": c_wide, "WP": triton.next_power_of_2(c_wide),
-            "RANK": rank, "WANT_CB": want_cb, "BLOCK_E": tiles.block_e,
-            "W_SR": wigner.stride(1), "GW_SR": grad_wigner.shape[2], "num_warps": tiles.num_warps,
-        }  # fmt: skip
-        if tiles.variant == "node":
-            wrap_triton(_rotate_mix_bwd_kernel)[(n_programs,)](
-                grad_u.contiguous(), x, wigner, kc, cb, src_order, src_rowptr,
-                node_rows, grad_wigner, grad_kc, partial_cb,
-                n_edge, x.stride(0), wigner.stride(0), **consts,
-            )  # fmt: skip
-        else:
-            wrap_triton(_rotate_mix_bwd_edge_kernel)[(n_programs,)](
-                grad_u.contiguous(), x, src, wigner, kc, cb,
-                node_rows, grad_wigner, grad_kc, partial_cb,
-                n_edge, x.stride(0), wigner.stride(0), **consts,
-            )  # fmt: skip
-    # The edge variant's reduction runs in CSR order, one program per node: deterministic.
-    grad_x = (
-        node_rows
-        if tiles.variant == "node"
-        else _launch_segment_sum(node_rows, src_order, src_rowptr)
-    )
+    x, wigner, kc, cb = kernel_operands(x, wigner, kc, cb)
+    consts: dict[str, Any] = {
+        "L": lmax, "FD": c_wide // n_focus, "WD": c_wide, "WP": triton.next_power_of_2(c_wide),
+        "RANK": rank, "WANT_CB": want_cb, "W_SR": wigner.stride(1), "GW_SR": grad_wigner.shape[2],
+    }  # fmt: skip
+    run = _BackwardLaunch(grad_u.contiguous(), x, src, src_order, src_rowptr, wigner, kc, cb,
+                          grad_wigner, grad_kc, want_cb, consts)  # fmt: skip
+    grad_x, partial_cb = _SCHEDULES[tiles.variant](run, tiles)
     # Per-program partials summed in a fixed order: deterministic, no atomics.
     grad_cb = partial_cb.sum(0) if want_cb else cb.new_zeros((0,))
     return grad_x, grad_wigner, grad_kc, grad_cb

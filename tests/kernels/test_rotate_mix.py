@@ -422,6 +422,116 @@ def test_edge_variant_second_order_and_determinism(case: Case) -> None:
         assert torch.equal(a, b)
 
 
+# CSR backward variant (the fallback; INTERPRETER_TILES runs it under the op as well)
+
+
+def with_sources(ops: Operands, sources: Sequence[int]) -> Operands:
+    """The operands with the edges' sources replaced and the source CSR rebuilt (the per-edge
+    operands keep their shapes, so len(sources) must equal E)."""
+    src = torch.tensor(sources, dtype=torch.int64, device=ops.x.device)
+    assert src.shape[0] == ops.src.shape[0]
+    order, row_ptr = csr_from_index(src, ops.x.shape[0])
+    return replace(ops, src=src, src_order=order, src_rowptr=row_ptr)
+
+
+CSR_LAYOUTS = {
+    # Nodes 0, 2, 4 and 6 have no edges: before the first, between, and after the last segment.
+    "gaps": [3, 1, 5, 3, 3, 1, 5, 3, 3, 1, 3, 3, 5],
+    # One node owns every edge: its segment is cut by every chunk boundary.
+    "one-node": [2] * 13,
+    # Every segment one edge long, sources unsorted in edge order.
+    "singletons": [6, 0, 5, 1, 4, 2, 3, 6, 0, 5, 1, 4, 2],
+}
+
+
+@fused_only
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("layout", CSR_LAYOUTS, ids=str)
+@pytest.mark.parametrize(
+    "tiles",
+    [LaunchTiles(1, 1, "csr", chunk=1), LaunchTiles(1, 1, "csr", chunk=3),
+     LaunchTiles(2, 1, "csr", chunk=5), LaunchTiles(4, 4, "csr")],
+    ids=lambda t: f"b{t.block_e}-c{t.chunk}",
+)  # fmt: skip
+def test_csr_variant_segments_cut_across_programs(layout: str, tiles: LaunchTiles) -> None:
+    """Segments cut by chunk boundaries anywhere (chunk 1: every edge its own program), nodes
+    without edges anywhere, one node with every edge; every output written (poisoned)."""
+    case = Case(2, 2, 32, 1, n_node=7, n_edge=13, extra_dw=3)
+    ops = with_sources(make_operands(case, seed=3), CSR_LAYOUTS[layout])
+    ref = ops.cast(torch.float64)
+    grad_u = torch.randn(2, 13, 7 * 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    got = launch_rotate_mix_bwd(grad_u, ops.x, ops.src, ops.src_order, ops.src_rowptr, ops.wigner,
+                                ops.kc, ops.cb, 2, 2, 1, True, tiles)  # fmt: skip
+    want = rotate_mix_backward_reference(grad_u.double(), *ref.args())
+    for g, w in zip(got, want, strict=True):
+        assert_close_normwise(g, w, rel=5e-6)
+    assert_structural_wigner_grad(got[1], case.lmax)
+    isolated = ops.src_rowptr[1:] == ops.src_rowptr[:-1]
+    assert torch.equal(got[0][isolated], torch.zeros_like(got[0][isolated]))
+
+
+CSR_CASES = [
+    Case(1, 1, 32, 0, n_edge=11),
+    Case(2, 1, 96, 0, strided_x=True),  # Cf 96: 128 lanes, 32 masked; rank 0
+    Case(3, 2, 64, 3, extra_dw=7),
+    Case(3, 1, 32, 4, n_edge=7, n_node=3),
+    Case(2, 1, 32, 1, n_edge=1, n_node=1),  # single edge, single node
+    Case(2, 2, 32, 2, n_edge=3, n_node=8),  # mostly nodes with no edges
+    Case(2, 1, 32, 1, n_edge=0, n_node=3),  # zero edges: grad_x is exactly zero
+]
+
+
+@fused_only
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("case", CSR_CASES, ids=str)
+def test_csr_variant_gradients_match_reference(case: Case) -> None:
+    ops = make_operands(case)
+    ref = ops.cast(torch.float64)
+    u_shape = (case.n_focus, case.n_edge, (3 * case.lmax + 1) * case.focus_dim)
+    grad_u = torch.randn(u_shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = launch_rotate_mix_bwd(grad_u, ops.x, ops.src, ops.src_order, ops.src_rowptr, ops.wigner,
+                                ops.kc, ops.cb, case.lmax, case.n_focus, case.rank, True,
+                                LaunchTiles(1, 1, "csr", chunk=2))  # fmt: skip
+    if case.n_edge == 0:
+        assert torch.equal(got[0], torch.zeros_like(ops.x))
+        assert torch.equal(got[3], torch.zeros_like(ops.cb))
+        assert got[1].shape == ops.wigner.shape and got[2].shape == ops.kc.shape
+        return
+    want = rotate_mix_backward_reference(grad_u.double(), *ref.args())
+    for g, w in zip(got, want, strict=True):
+        assert_close_normwise(g, w, rel=5e-6)
+    assert_structural_wigner_grad(got[1], case.lmax)
+
+
+@fused_only
+def test_csr_variant_is_deterministic_and_agrees_with_node_variant() -> None:
+    """Run to run bitwise; against the node variant (another summation order) to rounding."""
+    ops = with_sources(make_operands(Case(2, 2, 32, 2, n_node=7, n_edge=13)), CSR_LAYOUTS["gaps"])
+    grad_u = torch.randn(2, 13, 7 * 32, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    args = (grad_u, ops.x, ops.src, ops.src_order, ops.src_rowptr, ops.wigner, ops.kc, ops.cb,
+            2, 2, 2, True)  # fmt: skip
+    csr = LaunchTiles(1, 1, "csr", chunk=3)
+    first = launch_rotate_mix_bwd(*args, csr)
+    second = launch_rotate_mix_bwd(*args, csr)
+    node = launch_rotate_mix_bwd(*args, LaunchTiles(1, 4, "node"))
+    for a, b, c in zip(first, second, node, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_csr_chunk_follows_edge_count() -> None:
+    from so2kernels.tiles import CSR_CHUNK_BOUNDS, csr_chunk
+
+    low, high = CSR_CHUNK_BOUNDS
+    one_warp = LaunchTiles(1, 1, "csr")
+    assert csr_chunk(0, one_warp) == low
+    assert csr_chunk(17_064, one_warp) == low  # the 192-atom graph: ~1000 programs
+    assert csr_chunk(1_051_392, one_warp) == 128  # the bar: ~8200 programs
+    assert csr_chunk(10**9, one_warp) == high
+    assert csr_chunk(100, LaunchTiles(32, 1, "csr")) == 32  # at least one edge block
+    assert csr_chunk(10**6, LaunchTiles(1, 1, "csr", chunk=24)) == 24  # explicit
+
+
 def test_tile_table_selects_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     from so2kernels import tiles
 
@@ -429,6 +539,7 @@ def test_tile_table_selects_variant(monkeypatch: pytest.MonkeyPatch) -> None:
         "rotate_mix_bwd": {
             "cw128_l2_r1": {"variant": "edge", "block_e": 2, "num_warps": 8, "ms": 1.0},
             "cw128_l3_r1": {"block_e": 4, "num_warps": 8},  # written before variants existed
+            "cw128_l2_r2": {"variant": "csr", "block_e": 1, "num_warps": 1, "chunk": 32},
         }
     }
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
@@ -436,45 +547,70 @@ def test_tile_table_selects_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda")
     assert tiles.rotate_mix_tiles("bwd", 128, 2, 1, cuda) == LaunchTiles(2, 8, "edge")
     assert tiles.rotate_mix_tiles("bwd", 128, 3, 1, cuda) == LaunchTiles(4, 8, "node")
+    assert tiles.rotate_mix_tiles("bwd", 128, 2, 2, cuda) == LaunchTiles(1, 1, "csr", chunk=32)
     assert tiles.rotate_mix_tiles("bwd", 256, 2, 1, cuda) == tiles.fallback_tiles("bwd", 256, 2)
-    assert tiles.fallback_tiles("bwd", 128, 2).variant == "node"
+    # The fallback is the csr schedule, one warp per program where its registers allow.
+    assert tiles.fallback_tiles("bwd", 128, 2) == LaunchTiles(1, 1, "csr")
+    assert tiles.fallback_tiles("bwd", 128, 3) == LaunchTiles(1, 1, "csr")
+    assert tiles.fallback_tiles("bwd", 256, 3).num_warps > 1
     with pytest.raises(ValueError, match="variant"):
         LaunchTiles(1, 4, "warp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk"):
+        LaunchTiles(1, 1, "csr", chunk=-1)
 
 
-def compile_backward_kernels_for_sm90() -> int:
-    """Compile both backward variants for sm_90 at the bar shape (C_wide 128, lmax 2, rank 1)
-    without a GPU: catches lowering errors the interpreter cannot see. Returns the count."""
+def _sm90_compile(fn: Any, pointers: dict[str, str], scalars: list[str],
+                  constexprs: dict[str, Any], num_warps: int) -> Any:  # fmt: skip
+    """Compile one kernel for sm_90 with the runtime's divisibility-by-16 specialisation of its
+    pointers (so vectorised loads and register use match a real launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    signature = {f"{p}_ptr": dtype for p, dtype in pointers.items()}
+    signature.update(dict.fromkeys(scalars, "i64"))
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    aligned = {(fn.arg_names.index(f"{p}_ptr"),): [["tt.divisibility", 16]] for p in pointers}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+
+
+def compile_backward_kernels_for_sm90() -> int:
+    """Compile every backward schedule for sm_90 at the bar shape (C_wide 128, lmax 2, rank 1)
+    without a GPU: catches lowering errors the interpreter cannot see. The one-warp csr kernel
+    must keep its channel reductions inside the warp (no barrier). Returns the count."""
     from so2kernels import rotate_mix_backward as bwd
 
-    index_operands = {"src_ptr", "order_ptr", "rowptr_ptr"}
-    node_pointers = ["gu", "x", "w", "kc", "cb", "order", "rowptr", "gx", "gw", "gkc", "gcb"]
-    edge_pointers = ["gu", "x", "src", "w", "kc", "cb", "gxe", "gw", "gkc", "gcb"]
+    def pointers(names: str) -> dict[str, str]:
+        return {n: "*i64" if n in ("src", "order", "rowptr") else "*fp32" for n in names.split()}
+
     consts = {"L": 2, "FD": 128, "WD": 128, "WP": 128, "RANK": 1, "WANT_CB": True, "W_SR": 9,
               "GW_SR": 9}  # fmt: skip
-    variants = [(bwd._rotate_mix_bwd_kernel, node_pointers, 1),
-                (bwd._rotate_mix_bwd_edge_kernel, edge_pointers, 4)]  # fmt: skip
-    for fn, pointers, block_e in variants:
-        names = [f"{p}_ptr" for p in pointers]
-        signature = {n: "*i64" if n in index_operands else "*fp32" for n in names}
-        signature.update(dict.fromkeys(["n_edge", "x_sn", "w_se"], "i64"))
-        constexprs = {**consts, "BLOCK_E": block_e}
-        signature.update(dict.fromkeys(constexprs, "constexpr"))
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        compiled = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
-        )
+    per_edge = ["n_edge", "x_sn", "w_se"]
+    kernels = [
+        (bwd._rotate_mix_bwd_kernel, pointers("gu x w kc cb order rowptr gx gw gkc gcb"),
+         per_edge, {**consts, "BLOCK_E": 1}, 4),
+        (bwd._rotate_mix_bwd_edge_kernel, pointers("gu x src w kc cb gxe gw gkc gcb"),
+         per_edge, {**consts, "BLOCK_E": 4}, 4),
+        (bwd._rotate_mix_bwd_csr_kernel,
+         pointers("gu x src w kc cb order rowptr gx part gw gkc gcb"),
+         ["n_edge", "chunk", "x_sn", "w_se"], {**consts, "BLOCK_E": 1}, 1),
+        (bwd._finish_split_nodes_kernel, pointers("gx part rowptr"), ["chunk"],
+         {"DIM": 9, "DP": 16, "WD": 128, "WP": 128}, 4),
+    ]  # fmt: skip
+    for fn, ptrs, scalars, constexprs, num_warps in kernels:
+        compiled = _sm90_compile(fn, ptrs, scalars, constexprs, num_warps)
         assert compiled.asm["cubin"]
-    return len(variants)
+        if fn is bwd._rotate_mix_bwd_csr_kernel:
+            assert "bar.sync" not in compiled.asm["ptx"], "csr reductions left the warp"
+    return len(kernels)
 
 
 @pytest.mark.slow
 def test_backward_kernels_compile_for_sm90() -> None:
-    assert compiled_count("test_rotate_mix", "compile_backward_kernels_for_sm90()") == 2
+    assert compiled_count("test_rotate_mix", "compile_backward_kernels_for_sm90()") == 4
 
 
 # GPU: realistic sizes (run by the lead on the H200)
