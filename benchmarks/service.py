@@ -12,6 +12,13 @@
    in-process potential serially (one structure per pass) and batched (64 per pass), with
    the ratios. Target: 64 clients ≥ 80 % of in-process batched.
 
+Server-side phases come with every case: the medians of each answer's
+``provenance.timings`` (read, decode, queue, compute, handoff, total) plus the mean response
+encoding time and, for the throughput points, the mean requests and atoms per device pass,
+pass time and queue wait, all from ``/metrics`` differences around the case. What the round
+trip leaves beyond the server's own time (``client_and_transport_ms``) is the client
+(encoding, decoding, ASE bookkeeping) and loopback HTTP.
+
 The default run takes about 3 minutes on an H200 with the current model step; ``--quick``
 (fewer repeats, shorter throughput windows) about half that.
 
@@ -23,8 +30,9 @@ Raw numbers go to ``benchmarks/results/service-<date>.json``.
 ``--fake-model`` (CPU micro-benchmark, no GPU needed): the server evaluates with a do-nothing
 model (zeros of the right shapes), so the round trip is pure service overhead. It reports, per
 size and wire format, the round trip against the in-process path (validate → predict → host
-arrays) and a breakdown: client encode / decode, server parse + validation, engine hand-off,
-response encode, and the rest (HTTP, ASGI, framework). Written to ``--out`` when given.
+arrays), the server's phases as above, and each CPU stage timed alone in this process (client
+encode / decode, server parse + validation, response encode, engine admission → worker →
+result). Written to ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -154,12 +162,15 @@ def in_process_step(potential: Evaluator, atoms: list[Atoms]) -> Callable[[], ob
 def in_process_phase(
     potential: Potential, sizes: list[int], batch: int, repeats: int
 ) -> dict[str, Any]:
-    rows: dict[str, Any] = {"single_ms": {}}
+    rows: dict[str, Any] = {"single_ms": {}, "validate_ms": {}}
     calculator = SO2LocalCalculator(potential)
     for n in sizes:
         atoms = water_atoms(n)
-        rows["single_ms"][str(len(atoms))] = median_ms(
-            calculator_step(calculator, atoms), repeats_for(len(atoms), repeats)
+        reps = repeats_for(len(atoms), repeats)
+        rows["single_ms"][str(len(atoms))] = median_ms(calculator_step(calculator, atoms), reps)
+        # The part of a call that both sides pay on the host (HTTP: in the decode phase).
+        rows["validate_ms"][str(len(atoms))] = median_ms(
+            lambda atoms=atoms: Structures.from_atoms([atoms]), reps
         )
     frames = [water_atoms(192, seed=k) for k in range(batch)]
     serial = median_ms(in_process_step(potential, frames[:1]), repeats)
@@ -210,8 +221,33 @@ def start_server(model: Path, device: str, port: int) -> subprocess.Popen[bytes]
     raise RuntimeError("the server was not ready within 10 minutes")
 
 
+_SERVER_TOTALS = (
+    "so2serve_encode_seconds",
+    "so2serve_batch_requests",
+    "so2serve_batch_atoms",
+    "so2serve_pass_seconds",
+    "so2serve_queue_wait_seconds",
+)
+
+
+def server_totals(url: str) -> dict[str, float]:
+    """``_sum`` and ``_count`` of the server's unlabelled histograms in ``_SERVER_TOTALS``."""
+    wanted = {f"{name}{suffix}" for name in _SERVER_TOTALS for suffix in ("_sum", "_count")}
+    totals = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            totals[name] = float(value)
+    return totals
+
+
+def mean_of(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
+    count = after[f"{name}_count"] - before[f"{name}_count"]
+    return (after[f"{name}_sum"] - before[f"{name}_sum"]) / count if count else None
+
+
 def http_round_trip(url: str, atoms: Atoms, wire: str, repeats: int) -> dict[str, Any]:
-    """Median SO2Calculator call and the server's own median timings."""
+    """Median SO2Calculator call, the server's median phases and its mean answer encoding."""
     timings: list[dict[str, float]] = []
     with SO2Calculator(url, timeout=600, wire=wire) as calculator:  # type: ignore[arg-type]
         compute = calculator_step(calculator, atoms)
@@ -222,9 +258,17 @@ def http_round_trip(url: str, atoms: Atoms, wire: str, repeats: int) -> dict[str
             timings.append(calculator.provenance["timings"])
             return results
 
+        before = server_totals(url)
         total = median_ms(step, repeats)
-    server = {k: statistics.median(t[k] for t in timings[-repeats:]) for k in timings[0]}
-    return {"round_trip_ms": total, "server_ms": server}
+        after = server_totals(url)
+    server = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
+    encode = mean_of(before, after, "so2serve_encode_seconds")
+    server["encode_ms"] = (encode or 0.0) * 1e3
+    return {
+        "round_trip_ms": total,
+        "server_ms": server,
+        "client_and_transport_ms": total - server["total_ms"] - server["encode_ms"],
+    }
 
 
 def http_overhead_phase(url: str, sizes: list[int], repeats: int) -> dict[str, Any]:
@@ -281,9 +325,28 @@ def throughput_phase(url: str, client_counts: list[int], duration: float) -> dic
         for clients in client_counts:
             processes = min(clients, CLIENT_PROCESSES)
             shares = [clients // processes + (k < clients % processes) for k in range(processes)]
+            before = server_totals(url)
             results = pool.map(_client_process, [(url, s, duration) for s in shares], chunksize=1)
-            rows[str(clients)] = throughput_row(results)
+            after = server_totals(url)
+            rows[str(clients)] = throughput_row(results) | {"server": server_row(before, after)}
     return rows
+
+
+def server_row(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """What the server did during one throughput point (means over its passes/requests)."""
+
+    def ms(name: str) -> float | None:
+        mean = mean_of(before, after, name)
+        return None if mean is None else mean * 1e3
+
+    return {
+        "passes": after["so2serve_pass_seconds_count"] - before["so2serve_pass_seconds_count"],
+        "requests_per_pass": mean_of(before, after, "so2serve_batch_requests"),
+        "atoms_per_pass": mean_of(before, after, "so2serve_batch_atoms"),
+        "pass_ms": ms("so2serve_pass_seconds"),
+        "queue_wait_ms": ms("so2serve_queue_wait_seconds"),
+        "encode_ms": ms("so2serve_encode_seconds"),
+    }
 
 
 def throughput_row(results: list[tuple[list[float], float]]) -> dict[str, Any]:
@@ -324,12 +387,12 @@ class NullEvaluator:
 def _serve_null(port: int) -> None:
     import uvicorn
 
-    from service.api.app import create_app
+    from service.api.app import create_app, uvicorn_options
     from service.api.settings import ServiceSettings
 
     settings = ServiceSettings(port=port, log_level="warning")
     app = create_app(settings, evaluator=NullEvaluator())
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(app, **uvicorn_options(settings))  # as `so2serve serve` runs it
 
 
 def start_null_server(port: int) -> multiprocessing.process.BaseProcess:
@@ -426,11 +489,10 @@ def fake_model_main(args: argparse.Namespace) -> None:
                     "round_trip_ms": round_trip,
                     "in_process_ms": in_process,
                     "overhead_ms": round_trip - in_process,
-                    "server_timings_ms": http["server_ms"],
-                    "stages_ms": stages,
+                    "server_ms": http["server_ms"],
+                    "client_and_transport_ms": http["client_and_transport_ms"],
+                    "stages_ms": stages,  # each stage alone in this process
                     "engine_handoff_ms": handoff,
-                    # HTTP (client and server), ASGI, routing: what the stages leave.
-                    "http_and_framework_ms": round_trip - sum(stages.values()) - handoff,
                 }
     finally:
         server.terminate()
@@ -498,13 +560,17 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         overhead = http_overhead_phase(url, args.sizes, args.repeats)
         throughput = throughput_phase(url, args.clients, args.duration)
-        metrics = httpx.get(f"{url}/metrics").text
     finally:
         server.terminate()
         server.wait(60)
 
     for key, row in overhead.items():
-        row["overhead_ms"] = row["round_trip_ms"] - in_process["single_ms"][key.split("/")[0]]
+        size = key.split("/")[0]
+        row["overhead_ms"] = row["round_trip_ms"] - in_process["single_ms"][size]
+        # Device pass on the server vs the in-process call without its host validation.
+        row["server_compute_minus_in_process_predict_ms"] = row["server_ms"]["compute_ms"] - (
+            in_process["single_ms"][size] - in_process["validate_ms"][size]
+        )
     batched = in_process[f"batched_{batch}x192"]["atom_steps_per_s"]
     serial = in_process["serial_192"]["atom_steps_per_s"]
     for row in throughput.values():
@@ -517,17 +583,14 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": _version("triton"),
+        "python": sys.version.split()[0],
+        "http_stack": {name: _version(name) for name in ("uvicorn", "uvloop", "httptools")},
         "model": str(model),
         "execution": execution,
         "in_process": in_process,
         "http_overhead": overhead,
         "http_throughput_192": throughput,
         f"http{batch}_vs_in_process_batched": throughput[str(batch)]["atom_steps_per_s"] / batched,
-        "server_batch_requests": [
-            line
-            for line in metrics.splitlines()
-            if line.startswith(("so2serve_batch_requests_sum", "so2serve_batch_requests_count"))
-        ],
     }
     out = (
         args.out or ROOT / "benchmarks" / "results" / f"service-{datetime.now():%Y%m%d-%H%M%S}.json"

@@ -2,12 +2,15 @@
 
 The dependencies are ``async def``: FastAPI runs a plain ``def`` dependency in a worker thread,
 and those hops cost more than the whole rest of a small request. The checks they wrap are
-plain functions, which ``/evaluate`` calls directly (see ``routes.py``).
+plain functions, which ``/evaluate`` (bare ASGI, ``evaluate.py``) calls directly.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -16,6 +19,15 @@ from fastapi import Depends, Request
 from service.api.errors import ApiError
 from service.api.settings import ServiceSettings
 from service.engine import Engine, Evaluator, ServiceMetrics
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_id_from(sent: str | None) -> str:
+    """The client's ``X-Request-ID`` if it is a sane token, else a fresh one."""
+    if sent is not None and _REQUEST_ID.match(sent):
+        return sent
+    return uuid.uuid4().hex
 
 
 @dataclass
@@ -55,20 +67,21 @@ async def get_engine(state: State) -> Engine:
     return engine_when_ready(state)
 
 
-def _presented_key(request: Request) -> str | None:
-    key = request.headers.get("x-api-key")
+def _presented_key(headers: Mapping[str, str]) -> str | None:
+    key = headers.get("x-api-key")
     if key is not None:
         return key
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def require_api_key(request: Request, state: ServiceState) -> None:
-    """401 unless the request carries the server's key (when it has one)."""
+def require_api_key(headers: Mapping[str, str], state: ServiceState) -> None:
+    """401 unless the request headers (lower-case names) carry the server's key, when it has
+    one."""
     expected = state.settings.api_key
     if expected is None:
         return
-    presented = _presented_key(request)
+    presented = _presented_key(headers)
     if presented is None or not secrets.compare_digest(
         presented.encode(), expected.get_secret_value().encode()
     ):
@@ -82,7 +95,7 @@ def require_api_key(request: Request, state: ServiceState) -> None:
 
 
 async def authorized(request: Request, state: State) -> None:
-    require_api_key(request, state)
+    require_api_key(request.headers, state)
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

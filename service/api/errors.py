@@ -65,6 +65,11 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
 
+def error_body(code: str, message: str, detail: Any = None) -> bytes:
+    """The JSON ``{code, message, detail}`` document of every error answer."""
+    return orjson.dumps({"code": code, "message": message, "detail": detail}, default=str)
+
+
 def error_response(
     status: int,
     code: str,
@@ -72,8 +77,8 @@ def error_response(
     detail: Any = None,
     headers: Mapping[str, str] | None = None,
 ) -> Response:
-    """The JSON error body every failing route answers with."""
-    body = orjson.dumps({"code": code, "message": message, "detail": detail}, default=str)
+    """The JSON error answer of a FastAPI route."""
+    body = error_body(code, message, detail)
     return Response(body, status_code=status, media_type=JSON_MEDIA_TYPE, headers=headers)
 
 
@@ -88,82 +93,92 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out or "body"
 
 
-def _validation_response(errors: Sequence[Mapping[str, Any]]) -> Response:
+def _validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     details = [
         {"field": field_path(tuple(e["loc"])), "message": e["msg"], "type": e["type"]}
         for e in errors
     ]
     first = details[0]
-    return error_response(
-        422, "invalid_request", f"{first['field']}: {first['message']}", {"errors": details}
+    return ApiError(
+        422, "invalid_request", f"{first['field']}: {first['message']}", detail={"errors": details}
     )
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Register the mapping of every exception type to its JSON error answer."""
-
-    @app.exception_handler(ApiError)
-    async def _api(_: Request, exc: ApiError) -> Response:
-        return error_response(exc.status, exc.code, exc.message, exc.detail, exc.headers)
-
-    @app.exception_handler(ValidationError)
-    async def _pydantic(_: Request, exc: ValidationError) -> Response:
-        return _validation_response(exc.errors(include_url=False))
-
-    @app.exception_handler(RequestValidationError)
-    async def _fastapi(_: Request, exc: RequestValidationError) -> Response:
-        return _validation_response(exc.errors())
-
-    @app.exception_handler(InvalidStructureError)
-    async def _structure(_: Request, exc: InvalidStructureError) -> Response:
-        detail = {"field": exc.field, "index": exc.index}
-        return error_response(422, exc.code, exc.message, detail)
-
-    @app.exception_handler(TooManyAtomsError)
-    async def _too_many(_: Request, exc: TooManyAtomsError) -> Response:
+def as_api_error(exc: Exception) -> ApiError | None:
+    """The HTTP error a known failure maps to; None for anything else (a server bug)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return _validation_error(exc.errors(include_url=False))
+    if isinstance(exc, RequestValidationError):
+        return _validation_error(exc.errors())
+    if isinstance(exc, InvalidStructureError):
+        return ApiError(422, exc.code, exc.message, detail={"field": exc.field, "index": exc.index})
+    if isinstance(exc, TooManyAtomsError):
         detail = {
             "field": f"structures[{exc.index}]",
             "index": exc.index,
             "n_atoms": exc.n_atoms,
             "limit": exc.limit,
         }
-        return error_response(413, exc.code, exc.message, detail)
-
-    @app.exception_handler(QueueFullError)
-    async def _queue_full(_: Request, exc: QueueFullError) -> Response:
-        headers = {"Retry-After": str(exc.retry_after_s)}
-        detail = {"retry_after_s": exc.retry_after_s}
-        return error_response(503, exc.code, exc.message, detail, headers)
-
-    @app.exception_handler(EngineClosedError)
-    async def _closed(_: Request, exc: EngineClosedError) -> Response:
-        return error_response(503, exc.code, exc.message, None, {"Retry-After": "5"})
-
-    @app.exception_handler(StructureTooLargeError)
-    async def _oom(_: Request, exc: StructureTooLargeError) -> Response:
+        return ApiError(413, exc.code, exc.message, detail=detail)
+    if isinstance(exc, QueueFullError):
+        return ApiError(
+            503,
+            exc.code,
+            exc.message,
+            detail={"retry_after_s": exc.retry_after_s},
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
+    if isinstance(exc, EngineClosedError):
+        return ApiError(503, exc.code, exc.message, headers={"Retry-After": "5"})
+    if isinstance(exc, StructureTooLargeError):
         detail = {
             "field": f"structures[{exc.index}]",
             "index": exc.index,
             "n_atoms": exc.n_atoms,
             "device": exc.device,
         }
-        return error_response(507, exc.code, exc.message, detail)
-
-    @app.exception_handler(EvaluationFailedError)
-    async def _failed(_: Request, exc: EvaluationFailedError) -> Response:
-        return error_response(500, exc.code, exc.message, {"index": exc.index})
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        return ApiError(507, exc.code, exc.message, detail=detail)
+    if isinstance(exc, EvaluationFailedError):
+        return ApiError(500, exc.code, exc.message, detail={"index": exc.index})
+    if isinstance(exc, StarletteHTTPException):
         code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
-        return error_response(exc.status_code, code, str(exc.detail), None, exc.headers)
+        return ApiError(exc.status_code, code, str(exc.detail), headers=exc.headers)
+    return None
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(
-            500, "internal_error", f"internal server error ({type(exc).__name__}); see server log"
-        )
+
+def internal_error(where: str, exc: Exception) -> ApiError:
+    """A server bug: logged with its traceback, answered 500 without internals."""
+    log.error("unhandled error on %s", where, exc_info=exc)
+    return ApiError(
+        500, "internal_error", f"internal server error ({type(exc).__name__}); see server log"
+    )
+
+
+_MAPPED = (
+    ApiError,
+    ValidationError,
+    RequestValidationError,
+    InvalidStructureError,
+    TooManyAtomsError,
+    QueueFullError,
+    EngineClosedError,
+    StructureTooLargeError,
+    EvaluationFailedError,
+    StarletteHTTPException,
+)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every exception a FastAPI route raises with its JSON error."""
+
+    async def handle(request: Request, exc: Exception) -> Response:
+        error = as_api_error(exc) or internal_error(request.url.path, exc)
+        return error_response(error.status, error.code, error.message, error.detail, error.headers)
+
+    for exc_type in (*_MAPPED, Exception):
+        app.add_exception_handler(exc_type, handle)

@@ -6,16 +6,22 @@ Wire formats (chosen by ``Content-Type``; the answer by ``Accept``, else the req
     Plain JSON as in the schemas below. Floats are written in shortest round-trip form, so a
     float64 survives the trip bit for bit.
 ``application/msgpack`` (also ``application/x-msgpack``, ``application/vnd.msgpack``)
-    The same document as MessagePack, except that large arrays may travel as ``bin`` values
-    holding raw little-endian IEEE-754 float64, row-major (C order):
+    The same document as MessagePack, except that arrays may travel as raw bytes, row-major
+    (C order), in one of two forms:
 
-    * request ``positions``: ``bin`` of 24·n bytes, shape (n, 3) (nested arrays also accepted);
-    * request ``cell``: ``bin`` of 72 bytes, shape (3, 3) (nested arrays also accepted);
+    * a typed array ``{"dtype": str, "shape": [int, ...], "data": bin}``: request
+      ``positions`` and ``cell`` with dtype ``<f8`` or ``<f4``, ``species`` (atomic numbers)
+      with dtype ``|u1``, ``|i1``, ``<u2``, ``<i2``, ``<u4``, ``<i4`` or ``<i8``; ``data`` holds
+      exactly prod(shape) items;
+    * a bare ``bin`` of little-endian float64 in rows of three: request ``positions`` (24·n
+      bytes) and ``cell`` (72 bytes);
     * response ``forces`` (n, 3), ``energies`` (n,), ``stress`` (6,), ``virial`` (3, 3): always
-      ``bin`` in a msgpack answer; shapes follow from ``n_atoms`` in the same result.
+      a bare ``bin`` of little-endian float64 in a msgpack answer; shapes follow from
+      ``n_atoms`` in the same result.
 
-    ``species`` stays an array of integers or strings; ``energy`` is a float64. No extension
-    types are used or accepted, and nothing is ever unpickled.
+    Nested arrays and symbol lists are accepted too. A binary array with a dtype, shape or
+    byte length that does not fit is refused (422 ``bad_array``). ``energy`` is a float64. No
+    extension types are used or accepted, and nothing is ever unpickled.
 
 Units: Å, eV, eV/Å, eV/Å³. ``stress`` is ASE's: σ = (1/V) ∂E/∂ε in Voigt order
 (xx, yy, zz, yz, xz, xy), for structures periodic along all three axes (``null`` otherwise).
@@ -32,12 +38,11 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, W
 Property = Literal["energy", "forces", "stress", "energies", "virial"]
 DEFAULT_PROPERTIES: tuple[Property, ...] = ("energy", "forces")
 
-_BINARY = (bytes, bytearray, memoryview)
-
 
 def _numeric_array(value: object, what: str) -> object:
-    """float64 array of JSON/msgpack numbers. Shapes, ragged nesting included, are checked with
-    the structure (``InvalidStructureError``), so that every shape error reads the same."""
+    """float64 array of JSON/msgpack numbers (or of a msgpack binary array, already numpy).
+    Shapes, ragged nesting included, are checked with the structure
+    (``InvalidStructureError``), so that every shape error reads the same."""
     try:
         raw = np.asarray(value)
     except ValueError:
@@ -47,30 +52,20 @@ def _numeric_array(value: object, what: str) -> object:
     return raw.astype(np.float64, copy=False)
 
 
-def _float64_le(value: bytes | bytearray | memoryview, what: str, row: int) -> np.ndarray:
-    """A msgpack ``bin`` of little-endian float64 as an owned, native (n, row) array."""
-    if len(value) % (8 * row):
-        raise ValueError(
-            f"{what} as binary must hold little-endian float64 in rows of {row} "
-            f"({8 * row} bytes per row), got {len(value)} bytes"
-        )
-    return np.frombuffer(value, dtype="<f8").reshape(-1, row).astype(np.float64)
-
-
 def _positions(value: object) -> object:
-    if isinstance(value, _BINARY):
-        return _float64_le(value, "positions", 3)
     return _numeric_array(value, "positions")
 
 
 def _cell(value: object) -> object:
-    if isinstance(value, _BINARY):
-        return _float64_le(value, "cell", 3)
     return _numeric_array(value, "cell")
 
 
 def _species(value: object) -> np.ndarray:
-    """int64 atomic numbers, or a str array of symbols (converted with the structure)."""
+    """Integer atomic numbers, or a str array of symbols (converted with the structure)."""
+    if isinstance(value, np.ndarray):  # a msgpack typed array, integer by its dtype
+        if value.ndim == 1:
+            return value
+        raise ValueError(f"species must be one-dimensional, got shape {value.shape}")
     if not isinstance(value, list | tuple):
         raise ValueError("species must be a list of element symbols or atomic numbers")
     raw = np.asarray(value)

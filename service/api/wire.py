@@ -1,12 +1,16 @@
 """Bytes ↔ documents: content negotiation, decoding and fast encoding (formats: schemas.py).
 
 Decoding never runs code from the wire: JSON through orjson, msgpack without extension hooks.
-Encoding hands numpy arrays to orjson directly (no Python lists) and writes msgpack arrays as
-raw little-endian float64 ``bin`` values.
+Binary arrays of a msgpack request (bare ``bin`` or ``{"dtype", "shape", "data"}``) become
+numpy views of the body here, checked for dtype and byte length, so that the schema and the
+structure validation see the same arrays a JSON body gives. Encoding hands numpy arrays to
+orjson directly (no Python lists) and writes msgpack arrays as raw little-endian float64
+``bin`` values.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
@@ -63,7 +67,15 @@ def response_format(accept: str | None, default: WireFormat) -> WireFormat:
 
 
 def decode(body: bytes, fmt: WireFormat) -> Any:
-    """Parse a body; malformed input is 400."""
+    """Parse a body; malformed input is 400, a malformed binary array 422 ``bad_array``."""
+    if fmt is WireFormat.JSON:
+        return _parse(body, fmt)
+    document = _parse(body, fmt)
+    _unpack_binary_arrays(document)
+    return document
+
+
+def _parse(body: bytes, fmt: WireFormat) -> Any:
     try:
         if fmt is WireFormat.JSON:
             return orjson.loads(body)
@@ -78,6 +90,71 @@ def decode(body: bytes, fmt: WireFormat) -> Any:
         raise ApiError(
             400, "malformed_body", f"the body is not valid {fmt.name.lower()}: {exc}"
         ) from exc
+
+
+FLOAT_DTYPES = frozenset(("<f8", "<f4"))
+INT_DTYPES = frozenset(("|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<i8"))
+_ARRAY_DTYPES = {"positions": FLOAT_DTYPES, "cell": FLOAT_DTYPES, "species": INT_DTYPES}
+_TYPED_ARRAY_KEYS = frozenset(("dtype", "shape", "data"))
+
+
+def _unpack_binary_arrays(document: Any) -> None:
+    """Replace, in place, the binary arrays of a decoded msgpack request by numpy arrays.
+
+    Anything that is not shaped like a request is left for the schema to report.
+    """
+    structures = document.get("structures") if isinstance(document, dict) else None
+    if not isinstance(structures, list):
+        return
+    for index, item in enumerate(structures):
+        if not isinstance(item, dict):
+            continue
+        for name, dtypes in _ARRAY_DTYPES.items():
+            value = item.get(name)
+            if isinstance(value, bytes | dict):
+                item[name] = _binary_array(value, name, dtypes, f"structures[{index}].{name}")
+
+
+def _binary_array(
+    value: bytes | dict[str, Any], name: str, dtypes: frozenset[str], field: str
+) -> np.ndarray:
+    """A bare ``bin`` (float64 rows of 3; positions and cell only) or a typed array, as a
+    read-only view of the body (the structure validation copies what it keeps)."""
+    if isinstance(value, bytes):
+        if dtypes is not FLOAT_DTYPES:
+            raise _bad_array(field, f"{name} as binary needs the typed form {{dtype, shape, data}}")
+        if len(value) % 24:
+            raise _bad_array(
+                field,
+                f"{name} as bare binary must hold little-endian float64 in rows of 3 "
+                f"(24 bytes per row), got {len(value)} bytes",
+            )
+        return np.frombuffer(value, dtype="<f8").reshape(-1, 3)
+    if set(value) != _TYPED_ARRAY_KEYS:
+        raise _bad_array(
+            field, f"a typed array has exactly the keys dtype, shape, data; got {sorted(value)}"
+        )
+    dtype, shape, data = value["dtype"], value["shape"], value["data"]
+    if dtype not in dtypes:
+        raise _bad_array(field, f"{name} dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    if not isinstance(data, bytes):
+        raise _bad_array(field, "data must be msgpack bin (raw bytes)")
+    if not (
+        isinstance(shape, list)
+        and 1 <= len(shape) <= 2
+        and all(type(n) is int and n >= 0 for n in shape)
+    ):
+        raise _bad_array(field, f"shape must be a list of 1 or 2 sizes, got {shape!r}")
+    array = np.frombuffer(data, dtype=dtype) if len(data) % np.dtype(dtype).itemsize == 0 else None
+    if array is None or array.size != math.prod(shape):
+        raise _bad_array(
+            field, f"{len(data)} bytes of {dtype} do not make an array of shape {shape}"
+        )
+    return array.reshape(shape)
+
+
+def _bad_array(field: str, message: str) -> ApiError:
+    return ApiError(422, "bad_array", f"{field}: {message}", detail={"field": field})
 
 
 def parse_evaluate(body: bytes, fmt: WireFormat) -> tuple[EvaluateRequest, Structures]:
@@ -146,7 +223,9 @@ def encode(document: Mapping[str, Any], fmt: WireFormat) -> bytes:
     return packed
 
 
-def _msgpack_array(value: object) -> bytes:
+def _msgpack_array(value: object) -> memoryview:
+    """An array as msgpack ``bin``: msgpack copies straight from the array's buffer (a
+    ``tobytes()`` first would double the copy; ~0.5 ms for 12k atoms' forces)."""
     if isinstance(value, np.ndarray):
-        return np.ascontiguousarray(value, dtype="<f8").tobytes()
+        return np.ascontiguousarray(value, dtype="<f8").data
     raise TypeError(f"cannot encode {type(value).__name__} as msgpack")

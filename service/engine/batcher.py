@@ -3,7 +3,11 @@
 Scheduling contract:
 
 * Requests are admitted (or refused at once: too many atoms, unknown element, queue full) and
-  queued FIFO. One scheduler task forms batches; the worker thread runs one batch at a time.
+  queued FIFO. Batches are formed on the event loop, by callbacks rather than a scheduler
+  task: a request that finds the device idle starts its pass from ``submit`` itself, and a
+  finished pass starts the next one from the callback that delivers its results. The worker
+  thread runs one batch at a time and hands each result back with exactly one
+  ``call_soon_threadsafe`` (no executor future, no task wake-ups in between).
 * A batch takes structures from the head of the queue while the total atoms stay within
   ``max_batch_atoms`` and the *estimated* edges within ``max_batch_edges``. A request with many
   structures may be spread over several consecutive batches; one structure above the budget
@@ -67,9 +71,10 @@ class BatchLimits:
 class EvaluationTimings:
     """Where a request's time went inside the engine."""
 
-    queue_s: float  # admission → its first device pass started
+    queue_s: float  # admission → the worker thread began its first device pass
     compute_s: float  # wall time of the device passes that carried it (shared with others)
     passes: int
+    finished_at: float = 0.0  # perf_counter() when its last pass ended (in the worker thread)
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,8 @@ class _Job:
     cursor: int = 0  # first structure not yet dispatched
     in_flight: int = 0  # dispatched chunks not yet delivered
     parts: list[tuple[int, dict[str, np.ndarray]]] = field(default_factory=list)
-    started_at: float | None = None
+    started_at: float | None = None  # perf_counter() when the worker began its first pass
+    finished_at: float = 0.0
     compute_s: float = 0.0
     passes: int = 0
 
@@ -231,14 +237,15 @@ class Engine:
             self._known = np.zeros(MAX_ATOMIC_NUMBER + 1, dtype=np.bool_)
             self._known[self._elements] = True
         self._queue: deque[_Job] = deque()
-        self._arrived = asyncio.Event()
         self._queued_atoms = 0
         self._queued_edges = 0.0
         self._expected_requests = 0
         self._atoms_per_second: float | None = None
-        self._running: _Batch | None = None
+        self._running: _Batch | None = None  # the batch on the device
+        self._window: asyncio.TimerHandle | None = None  # pending end of a coalescing wait
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._scheduler: asyncio.Task[None] | None = None
+        self._open = False
 
     @property
     def limits(self) -> BatchLimits:
@@ -250,12 +257,13 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        return self._scheduler is not None and not self._scheduler.done()
+        return self._open
 
     async def start(self) -> None:
-        """Start the worker thread and the scheduler task."""
+        """Start the worker thread; from now on requests are admitted on this event loop."""
+        self._loop = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="so2serve-device")
-        self._scheduler = asyncio.create_task(self._schedule(), name="so2serve-scheduler")
+        self._open = True
 
     async def warm_up(self, numbers: Sequence[int]) -> None:
         """Run the worker's warm-up pass in the device thread."""
@@ -264,11 +272,8 @@ class Engine:
 
     async def stop(self) -> None:
         """Stop scheduling; requests still queued or on the device get ``EngineClosedError``."""
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scheduler
-            self._scheduler = None
+        self._open = False
+        self._cancel_window()
         closed = EngineClosedError("the server is shutting down")
         leftovers = list(self._queue) + ([] if self._running is None else list(self._running.jobs))
         for job in leftovers:
@@ -293,6 +298,7 @@ class Engine:
         """
         job = self._admit(structures, frozenset(properties))
         job.future.add_done_callback(lambda f: self._withdraw(job) if f.cancelled() else None)
+        self._dispatch_when_due()
         return job.future
 
     async def evaluate(
@@ -329,7 +335,6 @@ class Engine:
         self._queued_atoms += int(atom_ptr[-1])
         self._queued_edges += float(job.edge_cumsum[-1])
         self._metrics.queue_depth.set(len(self._queue))
-        self._arrived.set()
         return job
 
     def _check_sizes(self, atom_counts: np.ndarray) -> None:
@@ -387,39 +392,64 @@ class Engine:
             raise EngineClosedError("the engine is not started")
         return self._executor
 
-    async def _schedule(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            while not self._queue:
-                self._arrived.clear()
-                await self._arrived.wait()
-            await self._coalesce(loop)
-            batch = self._take_batch()
-            self._running = batch
-            try:
-                output = await loop.run_in_executor(
-                    self._require_executor(), self._worker.run, batch.parts, batch.properties
-                )
-            except Exception as exc:  # a bug outside the model's per-structure isolation
-                log.exception("device pass failed")
-                self._fail(batch, exc)
-            else:
-                self._deliver(batch, output)
-            finally:
-                self._running = None
+    def _dispatch_when_due(self) -> None:
+        """Start the next pass now if the device is idle and waiting would not fill it more.
 
-    async def _coalesce(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Wait (≤ window) for as many requests as the previous batch held, or a full budget."""
-        deadline = loop.time() + self._limits.window_s
-        while len(self._queue) < self._expected_requests and not self._budget_reached():
-            timeout = deadline - loop.time()
-            if timeout <= 0:
-                return
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), timeout)
-            except TimeoutError:
-                return
+        While fewer requests are queued than the previous pass carried (and the budget is not
+        full), wait up to ``window_s`` for the rest of a crowd; the first call that decides to
+        wait arms the timer, later arrivals re-check and may start the pass before it fires.
+        """
+        if self._running is not None or not self._queue or not self._open:
+            return
+        waiting_helps = len(self._queue) < self._expected_requests and not self._budget_reached()
+        if waiting_helps and self._limits.window_s > 0:
+            if self._window is None:
+                loop = self._require_loop()
+                self._window = loop.call_later(self._limits.window_s, self._window_closed)
+            return
+        self._start_pass()
+
+    def _window_closed(self) -> None:
+        self._window = None
+        if self._running is None and self._queue and self._open:
+            self._start_pass()
+
+    def _cancel_window(self) -> None:
+        if self._window is not None:
+            self._window.cancel()
+            self._window = None
+
+    def _start_pass(self) -> None:
+        self._cancel_window()
+        batch = self._take_batch()
+        self._running = batch
+        self._require_executor().submit(self._run_pass, batch, self._require_loop())
+
+    def _run_pass(self, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
+        """Worker thread: one device pass, then one hop back to the loop with its outcome."""
+        outcome: BatchOutput | BaseException
+        try:
+            outcome = self._worker.run(batch.parts, batch.properties)
+        except Exception as exc:  # a bug outside the model's per-structure isolation
+            log.exception("device pass failed")
+            outcome = exc.with_traceback(None)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(self._finish_pass, batch, outcome)
+
+    def _finish_pass(self, batch: _Batch, outcome: BatchOutput | BaseException) -> None:
+        self._running = None
+        if not self._open:
+            return  # stop() has already failed every request of this batch
+        if isinstance(outcome, BaseException):
+            self._fail(batch, outcome)
+        else:
+            self._deliver(batch, outcome)
+        self._dispatch_when_due()
+
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise EngineClosedError("the engine is not started")
+        return self._loop
 
     def _budget_reached(self) -> bool:
         return (
@@ -456,9 +486,6 @@ class Engine:
             self._queued_edges -= chunk_edges
             job.cursor = stop
             job.in_flight += 1
-            if job.started_at is None:
-                job.started_at = time.perf_counter()
-                self._metrics.queue_wait.observe(job.started_at - job.admitted_at)
             if stop < job.n_structures:
                 break  # budget full in the middle of this request
             self._queue.popleft()
@@ -495,7 +522,11 @@ class Engine:
         for chunk in batch.chunks:
             job = chunk.job
             job.in_flight -= 1
+            if job.started_at is None:  # its first pass: queued until the worker began it
+                job.started_at = output.started_at
+                m.queue_wait.observe(job.started_at - job.admitted_at)
             job.compute_s += output.seconds
+            job.finished_at = output.finished_at
             job.passes += 1
             if job.future.done():
                 continue
@@ -541,6 +572,9 @@ class Engine:
             stress=gather("stress"),
             atom_ptr=job.atom_ptr,
             timings=EvaluationTimings(
-                queue_s=started - job.admitted_at, compute_s=job.compute_s, passes=job.passes
+                queue_s=started - job.admitted_at,
+                compute_s=job.compute_s,
+                passes=job.passes,
+                finished_at=job.finished_at,
             ),
         )

@@ -6,6 +6,8 @@ one process per GPU) never share or collide on counters.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -33,6 +35,21 @@ _LATENCY_BUCKETS = (
     10.0,
     30.0,
     120.0,
+)
+_PHASE_BUCKETS = (
+    0.00001,
+    0.00002,
+    0.00005,
+    0.0001,
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.05,
+    0.2,
+    1.0,
 )
 _COUNT_BUCKETS = tuple(float(2**k) for k in range(0, 21))  # 1 … ~1M (atoms, structures)
 _EDGE_BUCKETS = tuple(float(4**k) for k in range(3, 15))  # 64 … ~270M edges
@@ -139,7 +156,29 @@ class ServiceMetrics:
             "Single structures that did not fit even alone (HTTP 507).",
             registry=r,
         )
+        self.encode_seconds = Histogram(
+            "so2serve_encode_seconds",
+            "Building and serialising one /evaluate answer (the other phases are in each "
+            "answer's provenance.timings).",
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
         self.model = Info("so2serve_model", "The served model and its execution path.", registry=r)
+        # Labelled children, looked up once: labels() validates and locks on every call.
+        self._request_counts: dict[tuple[str, int], Any] = {}
+        self._request_latencies: dict[str, Any] = {}
+
+    def record_request(self, route: str, status: int, seconds: float) -> None:
+        """Count one HTTP request and observe its latency (event-loop thread only)."""
+        count = self._request_counts.get((route, status))
+        if count is None:
+            count = self.requests.labels(route, str(status))
+            self._request_counts[route, status] = count
+        count.inc()
+        latency = self._request_latencies.get(route)
+        if latency is None:
+            latency = self._request_latencies[route] = self.request_latency.labels(route)
+        latency.observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -43,6 +43,8 @@ class BatchOutput:
     stress: np.ndarray | None  # (B, 6)
     failures: Mapping[int, BaseException]  # structure index in the batch → why it has no result
     seconds: float  # wall time of the whole pass, retries included
+    started_at: float  # perf_counter() at its start ...
+    finished_at: float  # ... and at its end
 
 
 def select_structures(structures: Structures, start: int, stop: int) -> Structures:
@@ -65,11 +67,24 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-def _host(t: Tensor | None) -> np.ndarray | None:
-    """float64, C-contiguous host copy (the encoders need contiguous rows)."""
-    if t is None:
-        return None
-    return np.ascontiguousarray(t.detach().to(device="cpu", dtype=torch.float64).numpy())
+def to_host(tensors: Mapping[str, Tensor | None]) -> dict[str, np.ndarray | None]:
+    """float64, C-contiguous host copies of ``tensors`` (None stays None), in one transfer.
+
+    The outputs are packed into one float64 buffer on their device and copied once: each
+    separate device-to-host copy is a synchronisation of its own (tens of µs on a GPU).
+    """
+    present = {k: t.detach() for k, t in tensors.items() if t is not None}
+    out: dict[str, np.ndarray | None] = dict.fromkeys(tensors)
+    if not present:
+        return out
+    packed = torch.cat([t.reshape(-1).to(torch.float64) for t in present.values()])
+    flat = packed.cpu().numpy()
+    start = 0
+    for name, t in present.items():
+        stop = start + t.numel()
+        out[name] = flat[start:stop].reshape(t.shape)
+        start = stop
+    return out
 
 
 @dataclass
@@ -82,11 +97,10 @@ class _Partial:
 
     @classmethod
     def from_prediction(cls, prediction: PredictionLike) -> _Partial:
-        energy = _host(prediction.energy)
+        names = ("energy", *_ATOM_FIELDS, *_STRUCTURE_FIELDS)
+        fields = to_host({name: getattr(prediction, name) for name in names})
+        energy = fields.pop("energy")
         assert energy is not None
-        fields = {
-            name: _host(getattr(prediction, name)) for name in _ATOM_FIELDS + _STRUCTURE_FIELDS
-        }
         return cls(energy=energy, fields=fields, failures={})
 
     @classmethod
@@ -122,10 +136,14 @@ class Worker:
         """Evaluate the concatenation of ``parts`` (structures in order) for ``properties``."""
         start = time.perf_counter()
         batch = parts[0] if len(parts) == 1 else Structures.concat(parts)
-        partial = self._evaluate(batch.to(self.device), properties, first_index=0)
+        # Host structures as validated: the evaluator places them itself (a Potential keeps a
+        # small replayed batch on the host for its neighbour list; copying it to the device
+        # here would cost ten synchronous copies there and back).
+        partial = self._evaluate(batch, properties, first_index=0)
         if self.device.type == "cuda":
             self._metrics.gpu_memory_peak.set(torch.cuda.max_memory_allocated(self.device))
         f = partial.fields
+        finished = time.perf_counter()
         return BatchOutput(
             energy=partial.energy,
             forces=f["forces"],
@@ -133,7 +151,9 @@ class Worker:
             virial=f["virial"],
             stress=f["stress"],
             failures=partial.failures,
-            seconds=time.perf_counter() - start,
+            seconds=finished - start,
+            started_at=start,
+            finished_at=finished,
         )
 
     def warm_up(self, numbers: Sequence[int]) -> None:

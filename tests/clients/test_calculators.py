@@ -203,12 +203,12 @@ def test_a_connection_the_server_closed_while_idle_is_replaced(
     atoms = small_molecule(seed=3)
     atoms.calc = SO2Calculator(server[0], retries=0)
     energy = atoms.get_potential_energy()
-    connection = atoms.calc._http._connection
-    assert connection is not None and connection.sock is not None
-    connection.sock.shutdown(socket.SHUT_RDWR)  # as if the server had closed it
+    connection = atoms.calc._http._socket
+    assert connection is not None
+    connection.shutdown(socket.SHUT_RDWR)  # as if the server had closed it
     atoms.positions[0, 0] += 0.01
     assert atoms.get_potential_energy() != energy
-    assert atoms.calc._http._connection is not connection
+    assert atoms.calc._http._socket is not connection
 
 
 @pytest.fixture(scope="module")

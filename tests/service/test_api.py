@@ -12,6 +12,7 @@ import msgpack
 import numpy as np
 import orjson
 import pytest
+from ase.data import atomic_numbers
 from fastapi import FastAPI
 
 from service.api import ServiceSettings, create_app
@@ -58,13 +59,25 @@ def sample_value(metrics_text: str, name: str) -> float:
     return 0.0
 
 
-def binary_document(doc: dict[str, Any]) -> dict[str, Any]:
-    """The msgpack form: float64 arrays as raw little-endian bytes."""
+def binary_document(doc: dict[str, Any], typed: bool = False) -> dict[str, Any]:
+    """The msgpack form: float64 arrays as raw little-endian bytes, bare or (``typed``)
+    ``{"dtype", "shape", "data"}`` with the species as atomic numbers."""
+
+    def array(values: Any, dtype: str) -> Any:
+        raw = np.asarray(values, dtype)
+        return (
+            {"dtype": dtype, "shape": list(raw.shape), "data": raw.tobytes()}
+            if typed
+            else raw.tobytes()
+        )
+
     structures = []
     for s in doc["structures"]:
-        item = dict(s, positions=np.asarray(s["positions"], "<f8").tobytes())
+        item = dict(s, positions=array(s["positions"], "<f8"))
+        if typed:
+            item["species"] = array([atomic_numbers[e] for e in s["species"]], "<i8")
         if "cell" in s:
-            item["cell"] = np.asarray(s["cell"], "<f8").tobytes()
+            item["cell"] = array(s["cell"], "<f8")
         structures.append(item)
     return {**doc, "structures": structures}
 
@@ -124,16 +137,25 @@ def test_results_match_the_potential_and_carry_provenance(
     assert provenance["request_id"] == "abc-1"
     assert provenance["model"] == {"name": "pair-test", "sha256": "0" * 64}
     assert provenance["execution"]["path"] == "reference"
-    assert set(provenance["timings"]) == {"decode_ms", "queue_ms", "compute_ms", "total_ms"}
+    assert set(provenance["timings"]) == {
+        "read_ms",
+        "decode_ms",
+        "queue_ms",
+        "compute_ms",
+        "handoff_ms",
+        "total_ms",
+    }
     energy_only = client.post("/evaluate", json=request_document(atoms, ["energy"])).json()
     assert set(energy_only["results"][0]) == {"n_atoms", "energy"}
 
 
-def test_json_and_msgpack_agree_bit_for_bit(client: httpx.Client) -> None:
+@pytest.mark.parametrize("typed", [False, True], ids=["bare-bin", "typed-arrays"])
+def test_json_and_msgpack_agree_bit_for_bit(client: httpx.Client, typed: bool) -> None:
     atoms = [rattled_copper(1, seed=k) for k in range(3)] + [small_molecule("CH3OH", seed=4)]
     doc = request_document(atoms, ALL)
     as_json = client.post("/evaluate", json=doc).json()["results"]
-    reply = client.post("/evaluate", content=msgpack.packb(binary_document(doc)), headers=MSGPACK)
+    body = msgpack.packb(binary_document(doc, typed))
+    reply = client.post("/evaluate", content=body, headers=MSGPACK)
     assert reply.headers["content-type"] == "application/msgpack"
     as_msgpack = msgpack.unpackb(reply.content)["results"]
     for j, m in zip(as_json, as_msgpack, strict=True):
@@ -170,6 +192,31 @@ ERROR_CASES = [
         "coincident_atoms",
     ),
     ("unknown element", b'{"structures": [' + H_AND_U + b"]}", JSON, 422, "unknown_element"),
+    (
+        "binary positions of the wrong dtype",
+        msgpack.packb(
+            {
+                "structures": [
+                    {
+                        "species": [1],
+                        "positions": {"dtype": "<i8", "shape": [1, 3], "data": bytes(24)},
+                    }
+                ]
+            }
+        ),
+        "application/msgpack",
+        422,
+        "bad_array",
+    ),
+    (
+        "non-finite binary positions",
+        msgpack.packb(
+            {"structures": [{"species": [1], "positions": np.full(3, np.nan).tobytes()}]}
+        ),
+        "application/msgpack",
+        422,
+        "non_finite_positions",
+    ),
 ]
 
 

@@ -6,12 +6,14 @@ import msgpack
 import numpy as np
 import orjson
 import pytest
+import torch
 from pydantic import ValidationError
 
 from service.api.errors import ApiError, field_path
 from service.api.schemas import EvaluateRequest
 from service.api.settings import ServiceSettings
 from service.api.wire import (
+    INT_DTYPES,
     WireFormat,
     decode,
     encode,
@@ -96,10 +98,98 @@ def test_schema_errors_name_the_field(mutate, field: str) -> None:  # type: igno
     assert field_path(info.value.errors()[0]["loc"]).startswith(field)
 
 
-def test_binary_positions_of_wrong_length_are_rejected() -> None:
-    doc = {"structures": [{"species": [1], "positions": b"\x00" * 20}]}
-    with pytest.raises(ValidationError, match="24 bytes per row"):
-        parse_evaluate(msgpack.packb(doc), WireFormat.MSGPACK)
+def typed(array: np.ndarray, dtype: str) -> dict[str, object]:
+    """A msgpack typed array: ``{"dtype", "shape", "data"}``."""
+    raw = np.ascontiguousarray(array, dtype=dtype)
+    return {"dtype": dtype, "shape": list(raw.shape), "data": raw.tobytes()}
+
+
+def test_typed_binary_arrays_give_the_structures_of_nested_lists() -> None:
+    crystal = rattled_copper(seed=2)
+    doc = request_document([crystal], ["energy", "stress"])
+    _, from_json = parse_evaluate(_json(doc), WireFormat.JSON)
+    for species_dtype in sorted(INT_DTYPES):
+        item = {
+            "species": typed(crystal.numbers, species_dtype),
+            "positions": typed(crystal.positions, "<f8"),
+            "cell": typed(crystal.cell.array, "<f8"),
+        }
+        body = msgpack.packb({"structures": [item], "properties": ["energy", "stress"]})
+        _, from_msgpack = parse_evaluate(body, WireFormat.MSGPACK)
+        for name in ("numbers", "positions", "cells", "pbc", "ptr"):
+            a, b = getattr(from_json, name), getattr(from_msgpack, name)
+            assert a.dtype == b.dtype and bool((a == b).all()), (species_dtype, name)
+
+
+def test_float32_arrays_are_widened_exactly() -> None:
+    mol = small_molecule()
+    single = mol.positions.astype(np.float32)
+    item = {"species": typed(mol.numbers, "|u1"), "positions": typed(single, "<f4")}
+    _, structures = parse_evaluate(msgpack.packb({"structures": [item]}), WireFormat.MSGPACK)
+    assert structures.positions.dtype == torch.float64
+    assert np.array_equal(structures.positions.numpy(), single.astype(np.float64))
+
+
+def _one_atom(**fields: object) -> bytes:
+    item = {"species": [1], "positions": [[0.0, 0.0, 0.0]], **fields}
+    return msgpack.packb({"structures": [item]})
+
+
+F8_ATOM = typed(np.zeros((1, 3)), "<f8")
+BAD_ARRAYS = [
+    ("positions as integers", {"positions": typed(np.zeros((1, 3)), "<i8")}, "positions"),
+    ("big-endian positions", {"positions": typed(np.zeros((1, 3)), ">f8")}, "positions"),
+    ("numpy dtype name", {"positions": {**F8_ATOM, "dtype": "float64"}}, "positions"),
+    ("species as floats", {"species": typed(np.ones(1), "<f8")}, "species"),
+    ("bytes short of the shape", {"positions": {**F8_ATOM, "shape": [2, 3]}}, "positions"),
+    ("bytes beyond the shape", {"positions": {**F8_ATOM, "shape": [1, 2]}}, "positions"),
+    ("partial item", {"positions": {**F8_ATOM, "data": b"\x00" * 20}}, "positions"),
+    ("shape not a list", {"positions": {**F8_ATOM, "shape": 3}}, "positions"),
+    ("negative size", {"positions": {**F8_ATOM, "shape": [-1, -3]}}, "positions"),
+    ("data as a list", {"positions": {**F8_ATOM, "data": [0.0, 0.0, 0.0]}}, "positions"),
+    ("missing shape", {"positions": {"dtype": "<f8", "data": bytes(24)}}, "positions"),
+    ("extra key", {"positions": {**F8_ATOM, "order": "C"}}, "positions"),
+    ("bare bin, not rows of 3", {"positions": b"\x00" * 20}, "positions"),
+    ("bare bin species", {"species": b"\x01"}, "species"),
+    ("cell of integers", {"cell": typed(np.eye(3), "<i4")}, "cell"),
+]
+
+
+@pytest.mark.parametrize(("case", "fields", "field"), BAD_ARRAYS, ids=[c[0] for c in BAD_ARRAYS])
+def test_malformed_binary_arrays_are_422_bad_array(
+    case: str, fields: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_evaluate(_one_atom(**fields), WireFormat.MSGPACK)
+    assert (info.value.status, info.value.code) == (422, "bad_array")
+    assert info.value.detail == {"field": f"structures[0].{field}"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "field"),
+    [
+        ({"positions": typed(np.zeros((2, 3)), "<f8")}, "shape_mismatch", "positions"),
+        ({"positions": typed(np.zeros(3), "<f8")}, "ragged_positions", "positions"),
+        ({"positions": typed(np.full((1, 3), np.nan), "<f8")}, "non_finite_positions", "positions"),
+        ({"positions": np.full((1, 3), np.inf).tobytes()}, "non_finite_positions", "positions"),
+        ({"positions": typed(np.full((1, 3), np.inf), "<f4")}, "non_finite_positions", "positions"),
+        ({"cell": typed(np.diag([np.nan, 1.0, 1.0]), "<f8")}, "non_finite_cell", "cell"),
+        ({"cell": typed(np.eye(2), "<f8")}, "bad_cell", "cell"),
+        ({"species": typed(np.array([0]), "<i8")}, "unknown_element", "species"),
+        ({"species": typed(np.array([[1]]), "<i8")}, "invalid_request", "species"),
+    ],
+)
+def test_well_formed_binary_arrays_of_a_bad_structure_get_its_code(
+    fields: dict[str, object], code: str, field: str
+) -> None:
+    with pytest.raises((InvalidStructureError, ValidationError)) as info:
+        parse_evaluate(_one_atom(**fields), WireFormat.MSGPACK)
+    error = info.value
+    if isinstance(error, ValidationError):
+        assert code == "invalid_request"
+        assert field_path(error.errors()[0]["loc"]) == f"structures[0].{field}"
+    else:
+        assert (error.code, error.field) == (code, f"structures[0].{field}")
 
 
 ORIGIN, UNIT_X = [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]

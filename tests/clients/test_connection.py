@@ -1,0 +1,160 @@
+"""The calculator's keep-alive HTTP/1.1 client against a raw socket server that answers each
+request with scripted bytes: body framings, interim answers, closes and broken peers."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from clients._connection import KeepAliveConnection, TransportError
+
+
+class RawServer:
+    """Accepts connections one after another; answers the k-th request (over all
+    connections) with ``answers[k]`` and closes the connection after it if that answer's
+    ``close`` flag is set. Records each request's raw head and body."""
+
+    def __init__(self, answers: list[tuple[bytes, bool]]) -> None:
+        self.answers = answers
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}/base"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while len(self.requests) < len(self.answers):
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn, conn.makefile("rb") as reader:
+                while len(self.requests) < len(self.answers):
+                    head = b""
+                    while not head.endswith(b"\r\n\r\n"):
+                        line = reader.readline()
+                        if not line:
+                            break
+                        head += line
+                    if not head:
+                        break
+                    length = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    self.requests.append(head + reader.read(length))
+                    answer, close = self.answers[len(self.requests) - 1]
+                    conn.sendall(answer)
+                    if close:
+                        break
+
+    def close(self) -> None:
+        self._listener.close()
+        self._thread.join(5)
+
+
+@contextmanager
+def raw_server(answers: list[tuple[bytes, bool]]) -> Iterator[RawServer]:
+    server = RawServer(answers)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def ok(body: bytes, *headers: bytes) -> bytes:
+    lines = [b"HTTP/1.1 200 OK", b"Content-Length: %d" % len(body), *headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def test_framings_headers_and_one_connection_for_all() -> None:
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Tag: a\r\nX-Tag: b\r\n\r\n"
+        b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nTrailer: t\r\n\r\n"
+    )
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"after 100")
+    no_content = b"HTTP/1.1 204 No Content\r\n\r\n"
+    answers = [(ok(b"{}", b"Content-Type: application/json"), False), (chunked, False)]
+    answers += [(interim, False), (no_content, False)]
+    with raw_server(answers) as server:
+        http = KeepAliveConnection(server.url, 5.0, {"Accept": "application/msgpack"})
+        first = http.request("POST", "/evaluate", b"payload", {"Content-Type": "x/y"})
+        assert (first.status, first.content, first.header("content-type")) == (
+            200,
+            b"{}",
+            "application/json",
+        )
+        second = http.request("GET", "/info")
+        assert second.content == b"hello world" and second.header("x-tag") == "a, b"
+        assert http.request("GET", "/info").content == b"after 100"
+        assert http.request("GET", "/info").content == b""
+        http.close()
+    assert server.connections == 1
+    head, _, body = server.requests[0].partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /base/evaluate HTTP/1.1"
+    assert set(lines[1:]) == {
+        b"Host: 127.0.0.1:%d" % int(server.url.split(":")[2].split("/")[0]),
+        b"Accept: application/msgpack",
+        b"Content-Type: x/y",
+        b"Content-Length: 7",
+    }
+    assert body == b"payload"
+
+
+def test_connection_close_and_body_until_eof() -> None:
+    closing = ok(b"one", b"Connection: close")
+    until_eof = b"HTTP/1.0 200 OK\r\n\r\nto the end"
+    with raw_server([(closing, True), (until_eof, True), (ok(b"three"), False)]) as server:
+        http = KeepAliveConnection(server.url, 5.0, {})
+        assert http.request("GET", "/a").content == b"one"
+        assert not http.connected
+        assert http.request("GET", "/b").content == b"to the end"
+        assert http.request("GET", "/c").content == b"three"
+        http.close()
+    assert server.connections == 3
+
+
+def test_a_reused_connection_dropped_before_the_answer_is_retried_once() -> None:
+    # The server closes right after reading the second request, without answering it.
+    with raw_server([(ok(b"1"), False), (b"", True), (ok(b"2"), False)]) as server:
+        http = KeepAliveConnection(server.url, 5.0, {})
+        assert http.request("GET", "/x").content == b"1"
+        assert http.request("GET", "/x").content == b"2"
+        http.close()
+    assert server.connections == 2 and len(server.requests) == 3
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
+        b"HTTP/1.1 200 OK\r\nContent-Length: ten\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n",
+    ],
+    ids=["not-http", "short-body", "bad-length", "bad-header", "bad-chunk", "cut-headers"],
+)
+def test_broken_answers_are_transport_errors(answer: bytes) -> None:
+    with raw_server([(answer, True)]) as server:
+        http = KeepAliveConnection(server.url, 5.0, {})
+        with pytest.raises(TransportError):
+            http.request("GET", "/x")
+        assert not http.connected
+
+
+def test_nobody_listening_and_bad_urls() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    with pytest.raises(TransportError):
+        KeepAliveConnection(f"http://127.0.0.1:{port}", 2.0, {}).request("GET", "/")
+    with pytest.raises(ValueError, match="http"):
+        KeepAliveConnection("ftp://example.org", 1.0, {})
