@@ -32,9 +32,17 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 case "$topic" in
   kernels)
     run python3 -m pytest -q -m "gpu and not slow" tests/kernels -x
-    run python3 benchmarks/sweep_tiles.py --keys 128,2,1,1 128,3,1,1 128,2,2,1 256,3,2,2 --edges 500000
-    run python3 benchmarks/kernels_mixing_stack.py --cases bar --sweep --sweep-cases bar
-    run python3 benchmarks/kernels_rotate_mix.py --cases 128,2,1,1 128,3,1,1 128,2,2,1 128,3,2,2 256,2,2,1 256,3,2,2 "$@"
+    run python3 benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 128,3,1,1 --compare-variants
+    run python3 benchmarks/kernels_aggregate.py
+    STEP_S=400 run python3 benchmarks/kernels_mixing_stack.py --cases bar --sweep --sweep-cases served
+    ;;
+  proof)  # one call: aggregate op, fast-tier stack sweep + bar, model step both tiers + lean, service
+    STEP_S=80 run python3 -m pytest -q -m gpu tests/kernels/test_aggregate.py -x
+    STEP_S=60 run python3 benchmarks/kernels_aggregate.py
+    STEP_S=150 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --sweep --sweep-cases bar --sweep-precisions fp16x3
+    STEP_S=100 run python3 benchmarks/model.py --cases bar:192,12288 --paths fused fused-fp16x3 --profile --repeats 5 --agreement-sizes 192 12288 --fp64-sizes 192 --fp64-configs
+    STEP_S=70 run python3 benchmarks/model.py --cases bar:98304 --paths fused-fp16x3 --memory lean --no-agreement --repeats 2
+    STEP_S=120 run python3 benchmarks/service.py --device cuda --quick
     ;;
   bar)  # the DeePMD bars in one call: stack + rotate_mix at E = 1.05M, model step with both tiers
     STEP_S=200 run python3 benchmarks/kernels_mixing_stack.py --cases bar

@@ -250,29 +250,34 @@ def _timed_if_valid(
     return float(do_bench(step, warmup=2, rep=10))
 
 
-def sweep(cases: list[Case], n_edge: int, meta: dict[str, object]) -> Path:
+def sweep(
+    cases: list[Case], n_edge: int, meta: dict[str, object], precisions: list[StackPrecision]
+) -> Path:
     """Pick per (kind, Cf, lmax, precision) the fastest validated tile; write the GPU's table.
 
-    Kinds are tuned in order (block GEMMs by the forward time, then the gate GEMMs, then the
-    backward by the fwd+bwd time), each with the winners so far in place.
+    Kinds are tuned in order (block GEMMs by the forward time; the gate GEMMs, which the
+    backward launches too, and the backward by the fwd+bwd time), each with the winners so far
+    in place. Entries of tiers not swept this time are kept from the existing table.
     """
     gpu = torch.cuda.get_device_name().lower().replace(" ", "_")
     out_path = kernels.TABLE_DIR / f"mixing_stack_{gpu}.json"
-    table: dict[str, list[int]] = {}
+    table: dict[str, list[int]] = (
+        json.loads(out_path.read_text())["configs"] if out_path.is_file() else {}
+    )
     scratch = Path(tempfile.mkdtemp()) / "table.json"
     os.environ["SO2_STACK_TABLE"] = str(scratch)
     shapes = sorted({(c.lmax, c.focus_dim, c.n_focus) for c in cases})
     for lmax, focus_dim, n_focus in shapes:
         case = Case(f"sweep_l{lmax}_cf{focus_dim}", lmax, focus_dim, n_focus, n_edge)
         ops = make_operands(case, seed=1)
-        for precision in StackPrecision:
+        for precision in precisions:
             candidates = _FAST_CANDIDATES if precision is StackPrecision.FAST else _EXACT_CANDIDATES
             for kind in ("fwd", "gate", "bwd"):
                 key = table_key(kind, focus_dim, lmax, precision)
                 best: tuple[float, TileConfig] | None = None
                 for cfg in candidates:
                     _write_table(scratch, {**table, key: list(astuple(cfg))}, meta)
-                    ms = _timed_if_valid(case, precision, ops, backward=kind == "bwd")
+                    ms = _timed_if_valid(case, precision, ops, backward=kind != "fwd")
                     print(f"  sweep {key} {cfg}: {ms} ms", flush=True)
                     if ms is not None and (best is None or ms < best[0]):
                         best = (ms, cfg)
@@ -294,6 +299,10 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(reference)")
     parser.add_argument("--sweep", action="store_true", help="tune tiles first (writes the table)")
     parser.add_argument("--sweep-edges", type=int, default=262_144)
+    parser.add_argument(
+        "--sweep-precisions", nargs="+", default=[p.value for p in StackPrecision],
+        choices=[p.value for p in StackPrecision], help="GEMM tiers to tune",
+    )  # fmt: skip
     parser.add_argument(
         "--sweep-cases",
         choices=("bar", "served", "all"),
@@ -318,7 +327,8 @@ def main() -> None:
     cases = all_cases(args.cases, args.edges)
     if args.sweep:
         tuned = all_cases(args.sweep_cases, args.sweep_edges)
-        meta["table"] = str(sweep(tuned, args.sweep_edges, meta))
+        tiers = [StackPrecision.parse(p) for p in args.sweep_precisions]
+        meta["table"] = str(sweep(tuned, args.sweep_edges, meta, tiers))
     rows = []
     for case in cases:
         ops = make_operands(case)

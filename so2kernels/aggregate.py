@@ -24,13 +24,22 @@ mmax=1). Only the structural non-zeros of the Wigner block are read (rows m' ∈
 each degree, that degree's columns); every other entry has gradient exactly 0. Output
 (N, D, C_wide); nodes without edges get 0.
 
-Fused schedule: one program per (node, channel block) walks the node's edge segment, rotating
+Fused forward: one program per (node, channel block) walks the node's edge segment, rotating
 each edge's rows back in registers and accumulating the weighted sum in a (D, channels) register
 tile. The per-edge message (E, D, C_wide) is never written, and the sum runs in CSR order: no
-atomics, bitwise reproducible. The backward is node-centric as well: each program loads the
-node's output gradient once and, per edge, recomputes the local-frame gradient to form
-``grad x_local``, the structural ``grad wigner`` entries and ``grad weights`` (reduced over each
-group's channels in registers). Nothing per edge is saved by the forward.
+atomics, bitwise reproducible. Nothing per edge is saved by the forward.
+
+Fused backward: nothing in it reduces over edges. With ``g_e = s ⊙ grad_out[dst(e)]`` an edge's
+``grad x_local``, structural ``grad wigner`` entries and ``grad weights`` depend only on ``g_e``
+and that edge's own operands, so one program takes ``BLOCK_E`` consecutive edges (coalesced
+edge-order reads of ``x_local`` and writes of ``grad x_local``; the edges are sorted by
+destination, so neighbouring edges gather the same ``grad_out`` rows from L2). Per degree l the
+program holds the degree's reduced rows as (BLOCK_E, channels) tiles and visits the block's
+columns q once each, gathering ``g_q`` (pipelined): ``g_local[r] += wigner[e, p(r), q]·g_q`` and
+``grad wigner[e, p(r), q] = Σ_c g_q·w·x[r]`` (one channel reduction per entry for the whole
+tile). ``grad weights`` reduces each group's channels of ``Σ_r g_local·x`` once per tile.
+``dst(e)`` comes from ``dst_rowptr`` on the device (:func:`dst_of_edges`, no host sync). HBM
+traffic is essentially ``x_local`` read once and ``grad x_local`` written once.
 
 Second order (training): when the backward runs under ``create_graph`` it is composed from
 differentiable torch ops (:func:`attention_aggregate_backward_reference`), so a force loss can
@@ -42,7 +51,7 @@ be differentiated again; the Triton backward serves the force path.
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -64,6 +73,7 @@ from so2kernels._layout import (
 from so2kernels.rotate_mix import structure_mask, wigner_reduced_rows
 
 __all__ = [
+    "BwdTiles",
     "attention_aggregate",
     "attention_aggregate_backward_reference",
     "attention_aggregate_reference",
@@ -138,11 +148,12 @@ def _check_grad_out(grad_out: Tensor, x_local: Tensor, dst_rowptr: Tensor, lmax:
 
 
 def dst_of_edges(dst_rowptr: Tensor, n_edge: int) -> Tensor:
-    """(E,) destination node of every edge from the CSR offsets (no host sync)."""
-    n_node = dst_rowptr.shape[0] - 1
-    counts = dst_rowptr[1:] - dst_rowptr[:-1]
-    nodes = torch.arange(n_node, device=dst_rowptr.device, dtype=torch.int64)
-    return torch.repeat_interleave(nodes, counts, output_size=n_edge)
+    """(E,) int64 destination node of every edge from the CSR offsets.
+
+    No host sync: with ``output_size`` given, ``repeat_interleave`` neither reads the total back
+    nor checks the counts' signs on the host (a cumsum and one expansion kernel on CUDA).
+    """
+    return torch.repeat_interleave(dst_rowptr[1:] - dst_rowptr[:-1], output_size=n_edge)
 
 
 def _channel_weights(weights: Tensor, c_wide: int) -> Tensor:
@@ -212,9 +223,10 @@ def attention_aggregate_backward_reference(
     return grad_x, grad_wigner, grad_weights
 
 
-# Triton kernels. A node program walks its dst segment BLOCK_E edges at a time; tiles are
-# (BLOCK_E, DP, WP): edges × packed rows (D padded to a power of two) × channel lanes (masked).
-# Every offset that scales with E or N is int64.
+# Triton kernels. Forward: a node program walks its dst segment BLOCK_E edges at a time; tiles
+# are (BLOCK_E, DP, WP): edges × packed rows (D padded to a power of two) × channel lanes
+# (masked). Backward: an edge-block program; tiles are (BLOCK_E, WP). Every offset that scales
+# with E or N is int64.
 
 
 @triton.jit
@@ -274,109 +286,200 @@ def _aggregate_fwd_kernel(
 
 
 @triton.jit
-def _aggregate_bwd_row(
-    g, x_edge, gx_edge, w_edge, gw_edge, weight, edge_live, tile_mask, cols,
-    w_sr, w_sc, gw_sr, gw_sc,
-    row: tl.constexpr, l: tl.constexpr, r: tl.constexpr, FD: tl.constexpr,
+def _adjoint_entry(
+    g_local, grad_entries, g_col, wx_row, w_edge, edge_live, scale, slots,
+    w_sr, w_sc, row, side, col, D: tl.constexpr,
 ):  # fmt: skip
-    """One reduced row r (packed ``row``, degree l) of one edge block: stores ``grad x_local``
-    and the structural ``grad wigner`` entries, returns the (BLOCK_E, WP) channel products that
-    sum to ``grad weights``."""
-    d_row = _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, row, l)
-    g_local = tl.sum(d_row[:, :, None] * g[None, :, :], axis=1)
-    xr = tl.load(x_edge + r * FD, mask=tile_mask, other=0.0)
-    tl.store(gx_edge + r * FD, g_local * weight, mask=tile_mask)
-    grad_row = tl.sum(g[None, :, :] * (xr * weight)[:, None, :], axis=2)
-    in_block = (cols >= l * l) & (cols < (l + 1) * (l + 1))
-    tl.store(
-        gw_edge[:, None] + row * gw_sr + (cols * gw_sc)[None, :],
-        grad_row,
-        mask=edge_live[:, None] & in_block[None, :],
-    )
-    return g_local * xr
+    """Structural entry (packed ``row`` = l²+l+``side``, column ``col``) for a tile of edges:
+    adds ``wigner[e, row, col]·g_col`` to ``g_local`` (BLOCK_E, WP) and puts
+    ``grad wigner[e, row, col] = s·Σ_c g_col·w·x_row`` into its slot ``(side+1)·D + col`` of
+    ``grad_entries`` (BLOCK_E, SP)."""
+    entry = tl.load(w_edge + row * w_sr + col * w_sc, mask=edge_live, other=0.0)
+    value = tl.sum(g_col * wx_row, axis=1) * scale
+    grad_entries = tl.where(slots[None, :] == (side + 1) * D + col, value[:, None], grad_entries)
+    return g_local + entry[:, None] * g_col, grad_entries
 
 
 @triton.jit
+def _store_row_grad(gx_row, g_local, x_row, weight, row_mask):
+    """Stores ``grad x_local`` of one reduced row, returns its ``grad weights`` summand."""
+    tl.store(gx_row, g_local * weight, mask=row_mask)
+    return g_local * x_row
+
+
+@triton.jit
+def _store_structural_grads(gw_edge, grad_entries, edge_live, slots, gw_sr, gw_sc,
+                            L: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """Scatters the (BLOCK_E, SP) slots to ``grad wigner``: slot ``(side+1)·D + q`` is entry
+    (l(q)² + l(q) + side, q); slots past 3D and the m = ∓1 slots of degree 0 hold nothing."""
+    col = slots % D
+    side = slots // D - 1
+    degree = tl.zeros_like(col)
+    for k in tl.static_range(1, L + 1):
+        degree += (col >= k * k).to(tl.int32)
+    row = degree * degree + degree + side
+    held = (slots < 3 * D) & ((degree > 0) | (side == 0))
+    tl.store(
+        gw_edge[:, None] + (row * gw_sr + col * gw_sc)[None, :],
+        grad_entries,
+        mask=edge_live[:, None] & held[None, :],
+    )
+
+
+# n_edge only bounds the last tile: one compilation serves every edge count.
+@triton.jit(do_not_specialize=["n_edge"])
 def _aggregate_bwd_kernel(
-    gout_ptr, x_ptr, w_ptr, wt_ptr, rowptr_ptr, scale_ptr,
+    gout_ptr, x_ptr, w_ptr, wt_ptr, dst_ptr, scale_ptr,
     gx_ptr, gw_ptr, gwt_ptr,
-    x_se, w_se, w_sr, w_sc, wt_se, wt_sg, gw_se, gw_sr, gw_sc,
+    n_edge, x_se, w_se, w_sr, w_sc, wt_se, wt_sg, gw_se, gw_sr, gw_sc,
     L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, GW: tl.constexpr, G: tl.constexpr,
-    GP: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr, BLOCK_E: tl.constexpr,
+    WP: tl.constexpr, RUN: tl.constexpr, SP: tl.constexpr, BLOCK_E: tl.constexpr,
+    COL_STAGES: tl.constexpr,
 ):  # fmt: skip
+    """One program per BLOCK_E consecutive edges; tiles are (BLOCK_E, WP) edges × channels.
+
+    Degrees and their columns are runtime loops, not unrolled: the working set stays one degree
+    (about a dozen tiles) whatever lmax, and compile time stays flat in lmax. The m = ∓1 rows of
+    degree 0 do not exist; their loads and stores are masked off rather than special-cased. The
+    Wigner gradients collect in a (BLOCK_E, SP) register tile stored once: a (BLOCK_E,) store
+    per entry would cost a shared-memory layout exchange each.
+    """
     ROW: tl.constexpr = (3 * L + 1) * FD
     D: tl.constexpr = (L + 1) * (L + 1)
-    node = tl.program_id(0).to(tl.int64)
+    edges = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+    edge_live = edges < n_edge
     cvec = tl.arange(0, WP)
     c_mask = cvec < WD
-    x_chan = (cvec // FD) * ROW + cvec % FD
+    tile_mask = edge_live[:, None] & c_mask[None, :]
+    # Channels run contiguously within a focus stream; saying so lets the row loads and stores
+    # vectorise and puts a warp's lanes along channels (intra-warp channel reductions).
+    x_chan = tl.max_contiguous(tl.multiple_of((cvec // FD) * ROW + cvec % FD, RUN), RUN)[None, :]
     group = cvec // GW
-    cols = tl.arange(0, DP)
-    scale = tl.load(scale_ptr + cols, mask=cols < D, other=0.0)
-    g = (
-        tl.load(
-            gout_ptr + node * (D * WD) + (cols * WD)[:, None] + cvec[None, :],
-            mask=(cols < D)[:, None] & c_mask[None, :],
-            other=0.0,
-        )
-        * scale[:, None]
+    weight = tl.load(
+        wt_ptr + (edges * wt_se)[:, None] + (group * wt_sg)[None, :], mask=tile_mask, other=0.0
     )
-    # (GP, WP) selector summing a group's channels into its weight gradient.
-    groups = tl.arange(0, GP)
-    selector = ((group[None, :] == groups[:, None]) & c_mask[None, :]).to(tl.float32)
-    first = tl.load(rowptr_ptr + node)
-    stop = tl.load(rowptr_ptr + node + 1)
-    for k0 in range(first, stop, BLOCK_E):
-        edges = k0 + tl.arange(0, BLOCK_E)
-        edge_live = edges < stop
-        tile_mask = edge_live[:, None] & c_mask[None, :]
-        weight = tl.load(
-            wt_ptr + (edges * wt_se)[:, None] + (group * wt_sg)[None, :], mask=tile_mask, other=0.0
+    # Row offsets stay (BLOCK_E,) and meet the channel offsets at each access: hoisted 2-D
+    # 64-bit pointer tiles would hold ~2 registers per element for the whole kernel.
+    gout_base = tl.load(dst_ptr + edges, mask=edge_live, other=0) * (D * WD)
+    x_base = edges * x_se
+    w_edge = w_ptr + edges * w_se
+    slots = tl.arange(0, SP)
+    grad_entries = tl.zeros((BLOCK_E, SP), dtype=tl.float32)
+    products = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
+    for l in range(L + 1):
+        centre = l * l + l
+        side_live = edge_live & (l > 0)
+        side_mask = tile_mask & (l > 0)
+        x_mid = tl.load(x_ptr + (x_base + l * FD)[:, None] + x_chan, mask=tile_mask, other=0.0)
+        x_neg = tl.load(
+            x_ptr + (x_base + (L + l) * FD)[:, None] + x_chan, mask=side_mask, other=0.0
         )
-        x_edge = x_ptr + (edges * x_se)[:, None] + x_chan[None, :]
-        gx_edge = gx_ptr + (edges * x_se)[:, None] + x_chan[None, :]
-        w_edge = w_ptr + edges * w_se
-        gw_edge = gw_ptr + edges * gw_se
-        products = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-        for l in tl.static_range(L + 1):
-            centre = l * l + l
-            products += _aggregate_bwd_row(
-                g, x_edge, gx_edge, w_edge, gw_edge, weight, edge_live, tile_mask, cols,
-                w_sr, w_sc, gw_sr, gw_sc, centre, l, l, FD,
+        x_pos = tl.load(
+            x_ptr + (x_base + (2 * L + l) * FD)[:, None] + x_chan, mask=side_mask, other=0.0
+        )
+        # The rescale s(l) is applied to the results, not to every gathered column.
+        scale = tl.load(scale_ptr + l * l)
+        g_mid = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
+        g_neg = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
+        g_pos = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
+        # Pipelined (COL_STAGES > 1): the next columns' gathers are in flight during this one.
+        for col in tl.range(l * l, centre + l + 1, num_stages=COL_STAGES):
+            g_col = tl.load(
+                gout_ptr + (gout_base + col * WD)[:, None] + cvec, mask=tile_mask, other=0.0
+            )
+            g_mid, grad_entries = _adjoint_entry(
+                g_mid, grad_entries, g_col, x_mid * weight, w_edge, edge_live, scale, slots,
+                w_sr, w_sc, centre, 0, col, D,
             )  # fmt: skip
-            if l > 0:
-                products += _aggregate_bwd_row(
-                    g, x_edge, gx_edge, w_edge, gw_edge, weight, edge_live, tile_mask, cols,
-                    w_sr, w_sc, gw_sr, gw_sc, centre - 1, l, L + l, FD,
-                )  # fmt: skip
-                products += _aggregate_bwd_row(
-                    g, x_edge, gx_edge, w_edge, gw_edge, weight, edge_live, tile_mask, cols,
-                    w_sr, w_sc, gw_sr, gw_sc, centre + 1, l, 2 * L + l, FD,
-                )  # fmt: skip
-        grad_weight = tl.sum(products[:, None, :] * selector[None, :, :], axis=2)
-        tl.store(
-            gwt_ptr + (edges * G)[:, None] + groups[None, :],
-            grad_weight,
-            mask=edge_live[:, None] & (groups < G)[None, :],
+            g_neg, grad_entries = _adjoint_entry(
+                g_neg, grad_entries, g_col, x_neg * weight, w_edge, side_live, scale, slots,
+                w_sr, w_sc, centre - 1, -1, col, D,
+            )  # fmt: skip
+            g_pos, grad_entries = _adjoint_entry(
+                g_pos, grad_entries, g_col, x_pos * weight, w_edge, side_live, scale, slots,
+                w_sr, w_sc, centre + 1, 1, col, D,
+            )  # fmt: skip
+        products += _store_row_grad(
+            gx_ptr + (x_base + l * FD)[:, None] + x_chan, g_mid * scale, x_mid, weight, tile_mask
         )
+        products += _store_row_grad(
+            gx_ptr + (x_base + (L + l) * FD)[:, None] + x_chan, g_neg * scale, x_neg, weight,
+            side_mask,
+        )  # fmt: skip
+        products += _store_row_grad(
+            gx_ptr + (x_base + (2 * L + l) * FD)[:, None] + x_chan, g_pos * scale, x_pos, weight,
+            side_mask,
+        )  # fmt: skip
+    _store_structural_grads(gw_ptr + edges * gw_se, grad_entries, edge_live, slots, gw_sr, gw_sc,
+                            L, D)  # fmt: skip
+    # Padded lanes hold 0 in ``products``, so their out-of-range group index never matters.
+    for k in tl.static_range(G):
+        grad_weight = tl.sum(tl.where((group == k)[None, :], products, 0.0), axis=1)
+        tl.store(gwt_ptr + edges * G + k, grad_weight, mask=edge_live)
 
 
 # Launchers
 
 _INTERPRETER_BLOCK_E = 16
-"""Under TRITON_INTERPRET the cost is programs × ops: walk segments in wide edge blocks."""
+"""Under TRITON_INTERPRET the cost is programs × ops: wide edge blocks, few programs (forward:
+a node segment, ~10² edges)."""
+
+_INTERPRETER_BWD_BLOCK_E = 128
+"""The backward's edge blocks run ~10² interpreted ops each, whatever their height."""
 
 
 def _block_e(device: torch.device) -> int:
-    # On the GPU one edge per step keeps the (BLOCK_E, DP, WP) temporaries in registers; the
-    # neighbour segments (~10²) give each program a long enough loop to hide load latency.
+    """Forward edge step. On the GPU one edge per step keeps the (BLOCK_E, DP, WP) temporaries
+    in registers; the neighbour segments (~10²) give each program a long enough loop to hide
+    load latency."""
     return 1 if device.type == "cuda" else _INTERPRETER_BLOCK_E
+
+
+class BwdTiles(NamedTuple):
+    """Launch shape of the edge-parallel backward."""
+
+    block_e: int
+    """Edges per program (BLOCK_E)."""
+    num_warps: int
+    col_stages: int
+    """Software-pipeline depth of the grad_out column gathers (1: not pipelined)."""
+
+
+_BWD_TILE_ELEMS_PER_THREAD = 4
+"""fp32 values per thread of one (BLOCK_E, WP) backward tile: one 16-byte vector, a warp per
+edge at 128 lanes. About a dozen tiles stay live in the column loop (weight, x and w·x of three
+rows, their g_local, a grad_out column, the grad-weights products): at 4 values each the kernel
+needs ~80-95 registers (ptxas, sm_90), five or six 4-warp programs per SM; at 8 about 150."""
+
+_BWD_COL_STAGES = 3
+"""A degree has 1..2L+1 columns, each a dependent gather of grad_out rows: pipelining issues
+the next ones early (cp.async) instead of one memory latency per column."""
+
+
+def _bwd_tiles(device: torch.device, lanes: int) -> BwdTiles:
+    """Default backward launch shape for ``lanes`` (WP) channel lanes."""
+    if device.type != "cuda":
+        return BwdTiles(_INTERPRETER_BWD_BLOCK_E, 4, 1)
+    num_warps = 4 if lanes <= 128 else 8
+    block_e = _BWD_TILE_ELEMS_PER_THREAD * 32 * num_warps // lanes
+    return BwdTiles(max(1, min(32, block_e)), num_warps, _BWD_COL_STAGES)
 
 
 def _num_warps(dp: int, lanes: int) -> int:
     """Enough warps that a (DP, lanes) fp32 tile takes ≤ ~32 registers per thread."""
     warps: int = triton.next_power_of_2(-(-dp * lanes // (32 * 32)))
     return min(16, max(4, warps))
+
+
+def _contiguous_run(focus_dim: int, lanes: int) -> int:
+    """Largest power of two dividing Cf, at most ``lanes``: channel offsets are contiguous in
+    runs of this length, each starting at a multiple of it."""
+    return min(focus_dim & -focus_dim, lanes)
+
+
+def _structural_slots(lmax: int) -> int:
+    """SP: register slots for one edge's Wigner gradients, ``(m'+1)·D + q`` for m' ∈ {-1,0,1}."""
+    return int(triton.next_power_of_2(3 * n_coeff(lmax)))
 
 
 def _shape(x_local: Tensor, weights: Tensor, lmax: int) -> tuple[int, int, int, int]:
@@ -415,28 +518,32 @@ def launch_aggregate_bwd(
     weights: Tensor,
     dst_rowptr: Tensor,
     lmax: int,
+    tiles: BwdTiles | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward kernel; ``grad_out`` and ``x_local`` contiguous."""
-    n_node = dst_rowptr.shape[0] - 1
+    """Backward kernel; ``grad_out`` and ``x_local`` contiguous. ``tiles`` overrides the
+    default launch shape (tests and the benchmark sweep)."""
+    n_edge = x_local.shape[0]
     n_group = weights.shape[1]
-    c_wide, focus_dim, group_width, dp = _shape(x_local, weights, lmax)
+    c_wide, focus_dim, group_width, _ = _shape(x_local, weights, lmax)
     grad_x = torch.empty_like(x_local)
     # Zero-filled: the kernel writes only the structural entries.
     grad_wigner = torch.zeros(wigner.shape, device=wigner.device, dtype=wigner.dtype)
     grad_weights = weights.new_empty(weights.shape).contiguous()
-    if n_node == 0 or x_local.shape[0] == 0:
+    if n_edge == 0 or c_wide == 0:
         return grad_x, grad_wigner, grad_weights
     lanes = triton.next_power_of_2(c_wide)
+    block_e, num_warps, col_stages = tiles or _bwd_tiles(x_local.device, lanes)
     scale = rotate_back_rescale(lmax, x_local.device, torch.float32)
-    wrap_triton(_aggregate_bwd_kernel)[(n_node,)](
-        grad_out, x_local, wigner, weights, dst_rowptr, scale,
+    dst = dst_of_edges(dst_rowptr, n_edge)
+    wrap_triton(_aggregate_bwd_kernel)[(triton.cdiv(n_edge, block_e),)](
+        grad_out, x_local, wigner, weights, dst, scale,
         grad_x, grad_wigner, grad_weights,
-        x_local.stride(0), wigner.stride(0), wigner.stride(1), wigner.stride(2),
+        n_edge, x_local.stride(0), wigner.stride(0), wigner.stride(1), wigner.stride(2),
         weights.stride(0), weights.stride(1),
         grad_wigner.stride(0), grad_wigner.stride(1), grad_wigner.stride(2),
-        L=lmax, FD=focus_dim, WD=c_wide, GW=group_width, G=n_group,
-        GP=triton.next_power_of_2(n_group), DP=dp, WP=lanes,
-        BLOCK_E=_block_e(x_local.device), num_warps=_num_warps(dp, lanes),
+        L=lmax, FD=focus_dim, WD=c_wide, GW=group_width, G=n_group, WP=lanes,
+        RUN=_contiguous_run(focus_dim, lanes), SP=_structural_slots(lmax), BLOCK_E=block_e,
+        COL_STAGES=col_stages, num_warps=num_warps,
     )  # fmt: skip
     return grad_x, grad_wigner, grad_weights
 

@@ -8,9 +8,12 @@ from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  
 
 from so2kernels._dispatch import UnsupportedInputError
 from so2kernels.aggregate import (
+    BwdTiles,
     attention_aggregate,
     attention_aggregate_backward_reference,
     attention_aggregate_reference,
+    dst_of_edges,
+    launch_aggregate_bwd,
 )
 from tests.offline_compile import compiled_count
 
@@ -52,6 +55,17 @@ CASES = [
     (3, 64, 2, 2, [0, 6, 1, 3], None),
     (2, 128, 1, 1, [33, 4], 25),
     (6, 32, 1, 1, [2, 3], None),
+    # 29 destinations (empty ones included) over 37 edges: the backward's edge tile straddles
+    # them all and is partial (E is not a multiple of BLOCK_E); see also the explicit tiles of
+    # test_backward_tiles_straddle_destinations.
+    (
+        2,
+        32,
+        1,
+        2,
+        [1, 2, 0, 1, 1, 3, 1, 0, 2, 1, 1, 1, 4, 1, 2, 1, 1, 1, 0, 1, 2, 1, 1, 1, 3, 1, 1, 2, 1],
+        None,
+    ),
 ]
 
 
@@ -97,6 +111,38 @@ def test_backward_closed_form_matches_autograd() -> None:
     got = attention_aggregate_backward_reference(grad_out, *leaves, ops[3], lmax)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+STRADDLING_COUNTS = [3, 1, 0, 0, 2, 1, 5, 0, 1, 1, 2, 1, 7, 1, 0, 1, 1, 4, 2, 1]
+
+
+@pytest.mark.parametrize("block_e", [4, 32])
+def test_backward_tiles_straddle_destinations(
+    poisoned_alloc: None,  # noqa: F811
+    block_e: int,
+) -> None:
+    """The edge-parallel backward at several tile heights against the float64 closed form:
+    35 edges in tiles of 4 (8 full, one partial) or 32 (one full, one partial)."""
+    lmax = 3
+    ops = make_operands(lmax, 32, 2, 4, STRADDLING_COUNTS, 25, seed=7)
+    rowptr = ops[3]
+    grad_out = torch.randn(
+        len(STRADDLING_COUNTS), 16, 64, generator=torch.Generator().manual_seed(8)
+    )
+    got = launch_aggregate_bwd(grad_out, *ops[:3], rowptr, lmax, tiles=BwdTiles(block_e, 4, 3))
+    want = attention_aggregate_backward_reference(
+        grad_out.double(), *(t.double() for t in ops[:3]), rowptr, lmax
+    )
+    for g, w in zip(got, want, strict=True):
+        assert_normwise_close(g, w, 2e-6)
+    assert bool((got[1][want[1] == 0] == 0).all())
+
+
+def test_dst_of_edges() -> None:
+    rowptr = torch.tensor([0, 2, 2, 3, 3, 6])
+    assert dst_of_edges(rowptr, 6).tolist() == [0, 0, 2, 4, 4, 4]
+    assert dst_of_edges(torch.zeros(4, dtype=torch.int64), 0).shape == (0,)
+    assert dst_of_edges(torch.zeros(1, dtype=torch.int64), 0).shape == (0,)
 
 
 def test_second_order_through_op() -> None:
@@ -196,46 +242,58 @@ def test_compile_aot_eager() -> None:
 
 
 def compile_all_for_sm90() -> int:
-    """Compile both kernels for sm_90 in the regimes the model uses; returns the count."""
+    """Compile both kernels for sm_90 in the regimes the model uses (the backward also at every
+    tile shape the benchmark sweeps); returns the count."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from benchmarks.kernels_aggregate import BWD_SWEEP_TILES
     from so2kernels import aggregate
 
-    regimes = [(2, 128, 1, 1), (2, 128, 1, 1 * 1), (3, 128, 2, 4), (6, 256, 2, 8), (1, 96, 1, 1)]
+    cuda = torch.device("cuda")
+    regimes = [(2, 128, 1, 1), (2, 128, 2, 2), (3, 128, 2, 4), (6, 256, 2, 8), (1, 96, 1, 1)]
     n_compiled = 0
     for lmax, c_wide, n_focus, n_groups in regimes:
         focus_dim, dp = c_wide // n_focus, triton.next_power_of_2((lmax + 1) ** 2)
         lanes = triton.next_power_of_2(c_wide)
-        shared = {"L": lmax, "FD": focus_dim, "WD": c_wide, "GW": c_wide // n_groups, "DP": dp}
+        shared = {"L": lmax, "FD": focus_dim, "WD": c_wide, "GW": c_wide // n_groups}
         kernels = [
             (
                 aggregate._aggregate_fwd_kernel,
                 ["x", "w", "wt", "rowptr", "scale", "out"],
                 ["x_se", "w_se", "w_sr", "w_sc", "wt_se", "wt_sg"],
-                {**shared, "BLOCK_C": min(lanes, 128), "BLOCK_E": 1},
+                {**shared, "DP": dp, "BLOCK_C": min(lanes, 128), "BLOCK_E": 1},
                 aggregate._num_warps(dp, min(lanes, 128)),
-            ),
-            (
-                aggregate._aggregate_bwd_kernel,
-                ["gout", "x", "w", "wt", "rowptr", "scale", "gx", "gw", "gwt"],
-                ["x_se", "w_se", "w_sr", "w_sc", "wt_se", "wt_sg", "gw_se", "gw_sr", "gw_sc"],
-                {
-                    **shared,
-                    "G": n_groups,
-                    "GP": triton.next_power_of_2(n_groups),
-                    "WP": lanes,
-                    "BLOCK_E": 1,
-                },
-                aggregate._num_warps(dp, lanes),
-            ),
+            )
         ]
-        for fn, pointers, strides, consts, warps in kernels:
-            signature = {f"{p}_ptr": "*i64" if p == "rowptr" else "*fp32" for p in pointers}
-            signature.update(dict.fromkeys(strides, "i64"))
+        bwd_tiles = {aggregate._bwd_tiles(cuda, lanes)}
+        if (lmax, c_wide, n_focus, n_groups) == (2, 128, 1, 1):
+            bwd_tiles.update(BWD_SWEEP_TILES)
+        for block_e, warps, col_stages in sorted(bwd_tiles):
+            kernels.append(
+                (
+                    aggregate._aggregate_bwd_kernel,
+                    ["gout", "x", "w", "wt", "dst", "scale", "gx", "gw", "gwt"],
+                    ["n_edge", "x_se", "w_se", "w_sr", "w_sc", "wt_se", "wt_sg", "gw_se",
+                     "gw_sr", "gw_sc"],
+                    {**shared, "G": n_groups, "WP": lanes, "BLOCK_E": block_e,
+                     "RUN": aggregate._contiguous_run(focus_dim, lanes),
+                     "SP": aggregate._structural_slots(lmax), "COL_STAGES": col_stages},
+                    warps,
+                )
+            )  # fmt: skip
+        for fn, pointers, scalars, consts, warps in kernels:
+            signature = {
+                f"{p}_ptr": "*i64" if p in ("rowptr", "dst") else "*fp32" for p in pointers
+            }
+            signature.update(dict.fromkeys(scalars, "i64"))
             signature.update(dict.fromkeys(consts, "constexpr"))
-            source = ASTSource(fn=fn, signature=signature, constexprs=consts)
+            # Aligned pointers and row strides, as the launcher's runtime specialisation sees
+            # them: the vectorised layouts are the ones compiled.
+            aligned = [n for n in signature if n.endswith("_ptr") or n == "x_se"]
+            attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+            source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
             compiled = triton.compile(
                 source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
             )
@@ -244,9 +302,13 @@ def compile_all_for_sm90() -> int:
     return n_compiled
 
 
+N_SM90_KERNELS = 15
+"""5 forward regimes, 5 backward regimes at their default tiles, 5 more swept bar tiles."""
+
+
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
-    assert compiled_count("test_aggregate", "compile_all_for_sm90()") == 10
+    assert compiled_count("test_aggregate", "compile_all_for_sm90()") == N_SM90_KERNELS
 
 
 # GPU (the lead runs these on the H200)
@@ -289,3 +351,41 @@ def test_gpu_realistic_size(lmax: int, focus_dim: int, n_focus: int, n_groups: i
         assert_normwise_close(got[edges], want, 2e-6)
     again = attention_aggregate(*leaves, ops[3], lmax)
     assert torch.equal(out, again), "the CSR reduction must be bitwise reproducible"
+
+
+@pytest.mark.gpu
+def test_gpu_backward_has_no_host_sync() -> None:
+    """The backward derives dst(e) on the device: no host round trip once warm."""
+    ops = make_operands(2, 128, 1, 1, [40, 0, 25, 3] * 50, device="cuda")
+    leaves = _leaves(ops, torch.float32)
+    out = attention_aggregate(*leaves, ops[3], 2)
+    grad_out = torch.randn_like(out)
+    torch.autograd.grad(out, leaves, grad_out, retain_graph=True)  # warm: compile, constants
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.autograd.grad(out, leaves, grad_out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("lmax", "focus_dim", "n_focus", "n_groups"), [(2, 128, 1, 1), (3, 64, 2, 4), (1, 96, 1, 1)]
+)
+def test_gpu_backward_launch_shapes(lmax: int, focus_dim: int, n_focus: int, n_groups: int) -> None:
+    """Every launch shape the benchmark sweeps (pipelined column gathers run only on the GPU,
+    the interpreter ignores them) against the float64 closed form."""
+    from benchmarks.kernels_aggregate import BWD_SWEEP_TILES
+
+    gen = torch.Generator().manual_seed(9)
+    counts = torch.randint(0, 90, (300,), generator=gen).tolist()
+    ops = make_operands(lmax, focus_dim, n_focus, n_groups, counts, 16, device="cuda")
+    grad_out = torch.randn(len(counts), (lmax + 1) ** 2, n_focus * focus_dim, device="cuda")
+    want = attention_aggregate_backward_reference(
+        grad_out.double(), *(t.double() for t in ops[:3]), ops[3], lmax
+    )
+    for tiles in BWD_SWEEP_TILES:
+        got = launch_aggregate_bwd(grad_out, *ops[:3], ops[3], lmax, tiles)
+        for g, w in zip(got, want, strict=True):
+            assert_normwise_close(g, w, 2e-6)
