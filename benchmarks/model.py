@@ -120,15 +120,29 @@ def water_frame() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.array([8] * 64 + [1] * 128), pos, np.eye(3) * side
 
 
+def box_repeats(n_copies: int) -> tuple[int, int, int]:
+    """The most cubic ``(a, b, c)`` with ``a·b·c = n_copies`` (8×8×6 for 384 copies)."""
+    best = (n_copies, 1, 1)
+    for a in range(1, n_copies + 1):
+        for b in range(1, a + 1):
+            c, rest = divmod(n_copies, a * b)
+            if rest == 0 and c <= b and a - c < best[0] - best[2]:
+                best = (a, b, c)
+    return best
+
+
 def water_box(n_atoms: int) -> Structures:
+    """The 192-atom water frame repeated to ``round(n_atoms / 192)`` copies, as cubic as the
+    count allows (73,728 atoms = 8×8×6 frames)."""
     numbers, pos, cell = water_frame()
-    reps = max(1, round((n_atoms / len(numbers)) ** (1 / 3)))
-    shifts = np.stack(np.meshgrid(*[np.arange(reps)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    reps = np.array(box_repeats(max(1, round(n_atoms / len(numbers)))))
+    grid = np.meshgrid(*[np.arange(r) for r in reps], indexing="ij")
+    shifts = np.stack(grid, -1).reshape(-1, 3)
     all_pos = (pos[None] + (shifts @ cell)[:, None]).reshape(-1, 3)
     arrays = StructureArrays(
         numbers=np.tile(numbers, len(shifts)),
         positions=all_pos,
-        cell=cell * reps,
+        cell=cell * reps[:, None],
         pbc=(True, True, True),
     )
     return Structures.from_arrays([arrays])

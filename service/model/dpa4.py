@@ -10,11 +10,13 @@ the caller (Potential).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from service.model.config import ModelConfig
 from service.model.layers.edge_chunks import EdgeChunk, plan_edge_chunks
@@ -216,7 +218,15 @@ class DPA4Model(nn.Module):
         stack_precision: StackPrecision = StackPrecision.EXACT,
     ) -> Tensor:
         """Invariant per-atom descriptor ``(N, C)``: blocks then the residual l=0 readout."""
-        x, radial = self.initial_state(types, cache, taps, fused=fused)
+        if edge_chunk is not None and taps is None and torch.is_grad_enabled():
+            # Bounded-memory mode: the embedding stage's per-edge activations (radial MLP, env-seed
+            # filter) are recomputed in the backward like the convolutions' chunks; only its
+            # outputs, which every block reads, stay resident.
+            x, radial = checkpoint(
+                partial(self.initial_state, fused=fused), types, cache, use_reentrant=False
+            )
+        else:
+            x, radial = self.initial_state(types, cache, taps, fused=fused)
         if taps is not None:
             taps["x0"] = x
         chunks = plan_edge_chunks(cache.graph, edge_chunk)
