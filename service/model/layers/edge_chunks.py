@@ -53,20 +53,6 @@ class EdgeChunk:
     def nodes(self) -> slice:
         return slice(self.node_start, self.node_stop)
 
-    def edge_rows(self, values: Tensor) -> Tensor:
-        """The chunk's rows of a per-edge tensor ``(E, ...)``; the tensor itself when the chunk
-        is the whole graph: even a full-range slice costs a zero-filled full-size gradient
-        buffer plus a copy in the backward."""
-        if self.edge_start == 0 and self.edge_stop == values.shape[0]:
-            return values
-        return values[self.edge_start : self.edge_stop]
-
-    def node_rows(self, values: Tensor) -> Tensor:
-        """The chunk's rows of a per-node tensor ``(N, ...)`` (itself for the whole graph)."""
-        if self.node_start == 0 and self.node_stop == values.shape[0]:
-            return values
-        return values[self.node_start : self.node_stop]
-
 
 def whole_graph(graph: GraphLike) -> EdgeChunk:
     """One chunk covering the whole graph, sharing the graph's own CSR tensors."""
@@ -82,6 +68,22 @@ def whole_graph(graph: GraphLike) -> EdgeChunk:
         src_rowptr=graph.src_rowptr,
         dst_rowptr=graph.dst_rowptr,
     )
+
+
+def split_edges(values: Tensor, chunks: list[EdgeChunk]) -> tuple[Tensor, ...]:
+    """Each chunk's rows of a per-edge tensor ``(E, ...)``, as views of one split (the tensor
+    itself for a single chunk): autograd then joins the chunks' gradients in one
+    concatenation, linear in E whatever the chunk count."""
+    if len(chunks) == 1:
+        return (values,)
+    return values.split([c.n_edges for c in chunks])
+
+
+def split_nodes(values: Tensor, chunks: list[EdgeChunk]) -> tuple[Tensor, ...]:
+    """Each chunk's rows of a per-node tensor ``(N, ...)``; chunks tile the nodes in order."""
+    if len(chunks) == 1:
+        return (values,)
+    return values.split([c.n_nodes for c in chunks])
 
 
 def node_ranges(dst_rowptr: list[int], max_edges: int) -> list[tuple[int, int]]:

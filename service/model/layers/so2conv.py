@@ -49,7 +49,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from service.model.config import ModelConfig
-from service.model.layers.edge_chunks import EdgeChunk, whole_graph
+from service.model.layers.edge_chunks import EdgeChunk, split_edges, split_nodes, whole_graph
 from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
 from service.model.layers.linear import DegreeLinear, FocusLinear
 from service.model.layers.norms import ScalarRMSNorm, unit_rms
@@ -308,12 +308,21 @@ class SO2Convolution(nn.Module):
             q = k = gate = wide.new_zeros(0)
         stack = self.packed_stack(live=live_weights)
         recompute = len(chunks) > 1 and torch.is_grad_enabled()
+        # One split per operand for all chunks: its backward concatenates the chunks' gradients
+        # once (slicing per chunk would zero-fill a full-size gradient buffer per chunk).
+        per_chunk = zip(
+            chunks,
+            split_nodes(q, chunks) if self.attention is not None else [q] * len(chunks),
+            split_edges(radial, chunks),
+            split_edges(cache.wigner, chunks),
+            split_edges(cache.env, chunks),
+            split_nodes(cache.inv_sqrt_deg, chunks),
+            strict=True,
+        )
         parts = []
-        for chunk in chunks:
+        for chunk, *rows in per_chunk:
             edge_pass = partial(self._edge_pass, chunk, stack, value_path, taps)
-            rows = chunk.edge_rows
-            args = (wide, q, k, rows(radial), rows(cache.wigner), rows(cache.env),
-                    cache.inv_sqrt_deg)  # fmt: skip
+            args = (wide, k, *rows)
             if recompute:
                 parts.append(checkpoint(edge_pass, *args, use_reentrant=False))
             else:
@@ -338,8 +347,8 @@ class SO2Convolution(nn.Module):
         value_path: ValuePath,
         taps: dict[str, Tensor] | None,
         wide: Tensor,
-        q: Tensor,
         k: Tensor,
+        q: Tensor,
         radial: Tensor,
         wigner: Tensor,
         env: Tensor,
@@ -348,8 +357,9 @@ class SO2Convolution(nn.Module):
         """The per-edge pipeline of one chunk → its nodes' aggregate ``(n_chunk, D, C_wide)``
         (before the attention output gate).
 
-        ``wide (N, D, C_wide)``, ``q``/``k (N, F, Cf)`` cover all nodes; ``radial``, ``wigner``
-        and ``env`` are the chunk's edge rows.
+        ``wide (N, D, C_wide)`` and the keys ``k (N, F, Cf)`` cover all nodes (sources may be
+        anywhere); the queries ``q`` and ``inv_sqrt_deg`` are the chunk's node rows, ``radial``,
+        ``wigner`` and ``env`` its edge rows.
         """
         kc, cb, rad_l0 = self.radial_kernel(radial)
         fused = value_path.fused
@@ -367,9 +377,9 @@ class SO2Convolution(nn.Module):
         del u0, z_all  # the stack's autograd node keeps what its backward needs
         ops = EdgeOps(chunk, fused)
         if self.attention is not None:
-            weights = self.attention.edge_weights(chunk.node_rows(q), k, rad_l0, env, ops)
+            weights = self.attention.edge_weights(q, k, rad_l0, env, ops)
         else:
-            weights = (env * ops.from_dst(chunk.node_rows(inv_sqrt_deg)))[:, None]
+            weights = (env * ops.from_dst(inv_sqrt_deg))[:, None]
         # Rotate back, l > 1 rescale, weight, sum into the centres: the op or its reference.
         aggregate = attention_aggregate if fused else attention_aggregate_reference
         return aggregate(x_local, wigner, weights, chunk.dst_rowptr, self.lmax)
