@@ -14,9 +14,7 @@ JSON under benchmarks/results/. About a minute on an H200, most of it compilatio
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -24,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import peak_mb, time_ms, write_results
 from so2kernels._layout import n_coeff, n_reduced
 from so2kernels.aggregate import (
     BwdTiles,
@@ -78,30 +76,6 @@ def make_operands(
     rowptr = torch.zeros(n_node + 1, dtype=torch.int64, device="cuda")
     rowptr[1:] = torch.cumsum(torch.bincount(dst, minlength=n_node), 0)
     return x_local, wigner, weights, rowptr
-
-
-def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop))
-    return float(statistics.median(samples))
-
-
-def peak_mb(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def bwd_traffic_bytes(ops: Operands, lmax: int) -> int:
@@ -268,21 +242,12 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
         torch.cuda.empty_cache()
-    stamp = dt.datetime.now(dt.UTC)
-    report = {
-        "benchmark": "so2_attention_aggregate",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": stamp.isoformat(),
-        "command": " ".join(sys.argv),
-        "previous_node_centric_bwd_ms": PREVIOUS_NODE_CENTRIC_BWD_MS,
-        "rows": rows,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernels_aggregate_{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
+    write_results(
+        args.out,
+        "kernels_aggregate",
+        rows,
+        previous_node_centric_bwd_ms=PREVIOUS_NODE_CENTRIC_BWD_MS,
+    )
 
 
 if __name__ == "__main__":

@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import peak_mb, time_ms, write_results
 from so2kernels._layout import SUPPORTED_FOCUS_DIMS, n_coeff, n_kernel_slots, n_reduced
 from so2kernels.rotate_mix import rotate_mix, rotate_mix_reference
 from so2kernels.rotate_mix_backward import launch_rotate_mix_bwd
@@ -69,30 +67,6 @@ def make_operands(c_wide: int, lmax: int, n_focus: int, rank: int, n_edge: int,
     kc = torch.randn(n_edge, n_kernel_slots(lmax) * rank, device="cuda", generator=gen) * 0.5
     cb = torch.randn(rank, c_wide, device="cuda", generator=gen)
     return (x, src, order, row_ptr, wigner, kc, cb, lmax, n_focus, rank)
-
-
-def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop))
-    return statistics.median(samples)
-
-
-def peak_mb(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def traffic_bytes(c_wide: int, lmax: int, rank: int, n_edge: int, n_node: int) -> dict[str, int]:
@@ -273,20 +247,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         rows.extend(case_rows)
         torch.cuda.empty_cache()
-    stamp = dt.datetime.now(dt.UTC)
-    report = {
-        "benchmark": "so2_rotate_mix",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": stamp.isoformat(),
-        "command": " ".join(sys.argv),
-        "rows": rows,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"rotate_mix_{stamp.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
+    write_results(args.out, "rotate_mix", rows)
 
 
 if __name__ == "__main__":

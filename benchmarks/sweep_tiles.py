@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import time_ms
 from so2kernels._layout import n_coeff, n_kernel_slots, n_reduced
 from so2kernels.rotate_mix import launch_rotate_mix_fwd, rotate_mix_reference
 from so2kernels.rotate_mix_backward import (
@@ -103,17 +103,7 @@ def time_candidate(direction: str, tiles: LaunchTiles, ops: tuple[Any, ...], gra
         return launch_rotate_mix_bwd(grad_u, x, src, order, row_ptr, wigner, kc, cb, lmax,
                                      n_focus, rank, False, tiles)  # fmt: skip
 
-    for _ in range(2):
-        run()
-    samples = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        stop.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop))
-    return statistics.median(samples)
+    return time_ms(run, warmup=2, iters=iters)
 
 
 def sweep_key(key: tuple[int, int, int, int], args: argparse.Namespace) -> dict[str, Any]:

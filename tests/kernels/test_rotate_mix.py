@@ -373,29 +373,6 @@ EDGE_CASES = [
 ]
 
 
-@fused_only
-@pytest.mark.usefixtures("poisoned_empty")
-@pytest.mark.parametrize("case", EDGE_CASES, ids=str)
-def test_edge_variant_gradients_match_reference(case: Case) -> None:
-    ops = make_operands(case)
-    ref = ops.cast(torch.float64)
-    u_shape = (case.n_focus, case.n_edge, (3 * case.lmax + 1) * case.focus_dim)
-    grad_u = torch.randn(u_shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    got = launch_rotate_mix_bwd(grad_u, ops.x, ops.src, ops.src_order, ops.src_rowptr, ops.wigner,
-                                ops.kc, ops.cb, case.lmax, case.n_focus, case.rank, True,
-                                EDGE_TILES)  # fmt: skip
-    if case.n_edge == 0:
-        # Everything per edge is empty; node and basis gradients are exact zeros.
-        zero_x, zero_cb = torch.zeros_like(ops.x), torch.zeros_like(ops.cb)
-        assert torch.equal(got[0], zero_x) and torch.equal(got[3], zero_cb)
-        assert got[1].shape == ops.wigner.shape and got[2].shape == ops.kc.shape
-        return
-    want = rotate_mix_backward_reference(grad_u.double(), *ref.args())
-    for g, w in zip(got, want, strict=True):
-        assert_close_normwise(g, w, rel=5e-6)
-    assert_structural_wigner_grad(got[1], case.lmax)
-
-
 @pytest.fixture
 def edge_variant_selected(monkeypatch: pytest.MonkeyPatch) -> None:
     """The op's backward takes the edge variant, as a table entry with variant "edge" makes it."""
@@ -481,18 +458,27 @@ CSR_CASES = [
 ]
 
 
+SCHEDULE_CASES = [(EDGE_TILES, case) for case in EDGE_CASES] + [
+    (LaunchTiles(1, 1, "csr", chunk=2), case) for case in CSR_CASES
+]
+
+
 @fused_only
 @pytest.mark.usefixtures("poisoned_empty")
-@pytest.mark.parametrize("case", CSR_CASES, ids=str)
-def test_csr_variant_gradients_match_reference(case: Case) -> None:
+@pytest.mark.parametrize(
+    ("tiles", "case"), SCHEDULE_CASES, ids=[f"{t.variant}-{c}" for t, c in SCHEDULE_CASES]
+)
+def test_schedule_gradients_match_reference(tiles: LaunchTiles, case: Case) -> None:
+    """Each non-default backward schedule, launched directly, against the float64 closed form."""
     ops = make_operands(case)
     ref = ops.cast(torch.float64)
     u_shape = (case.n_focus, case.n_edge, (3 * case.lmax + 1) * case.focus_dim)
     grad_u = torch.randn(u_shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     got = launch_rotate_mix_bwd(grad_u, ops.x, ops.src, ops.src_order, ops.src_rowptr, ops.wigner,
                                 ops.kc, ops.cb, case.lmax, case.n_focus, case.rank, True,
-                                LaunchTiles(1, 1, "csr", chunk=2))  # fmt: skip
+                                tiles)  # fmt: skip
     if case.n_edge == 0:
+        # Everything per edge is empty; node and basis gradients are exact zeros.
         assert torch.equal(got[0], torch.zeros_like(ops.x))
         assert torch.equal(got[3], torch.zeros_like(ops.cb))
         assert got[1].shape == ops.wigner.shape and got[2].shape == ops.kc.shape
