@@ -451,9 +451,11 @@ edge at 128 lanes. About a dozen tiles stay live in the column loop (weight, x a
 rows, their g_local, a grad_out column, the grad-weights products): at 4 values each the kernel
 needs ~80-95 registers (ptxas, sm_90), five or six 4-warp programs per SM; at 8 about 150."""
 
-_BWD_COL_STAGES = 3
-"""A degree has 1..2L+1 columns, each a dependent gather of grad_out rows: pipelining issues
-the next ones early (cp.async) instead of one memory latency per column."""
+_BWD_COL_STAGES = 1
+"""Software-pipelining depth of the column loop (each column gathers grad_out rows). Measured on
+the H200 (`benchmarks/kernels_aggregate.py`, lmax 2, C_wide 128): at 1.05M edges 4.20 ms without
+pipelining vs 4.79 ms with 3 stages (cp.async), at 17k edges 0.355 vs 0.347 ms; the ~16 other
+programs per SM already hide the gather latency, so the default does not pipeline."""
 
 
 def _bwd_tiles(device: torch.device, lanes: int) -> BwdTiles:
