@@ -29,11 +29,11 @@ for the model (potential.value_path_bytes_per_edge). With edge chunks (potential
 each chunk's pipeline is checkpointed: only its inputs are kept (node features, the radial rows
 (E, L+1, C) = 1.5 KiB/edge shared by all blocks, the Wigner cache 324 B/edge), and the value-path
 activations exist for one chunk at a time (131k edges ≈ 2.3 GB transient, independent of system
-size) at the price of one extra value-path forward per step. Counted on CPU (saved-tensor hooks,
-reference path, 192-atom water box): everything kept for the backward is 8.9 MiB/atom unchunked
-(reference path; it also keeps the (E, D, C_wide) messages) and 2.0 MiB/atom chunked, of which
-≈ 1.1 MiB/atom is the embedding stage outside this module (env-seed filter (E, 256)/(E, 4, 128),
-GIE messages (E, 8, 128), radial MLP) — the next thing to chunk to get under 2 MiB/atom peak.
+size) at the price of one extra value-path forward per step; the embedding stage before the
+blocks is recomputed in the backward as well (DPA4Model.descriptor). Counted on CPU (saved-tensor
+hooks, fused path, 192-atom water box, bar config): everything kept for the backward is
+4.6 MiB/atom unchunked and 0.62 MiB/atom in ``lean`` mode; measured peak on the H200:
+5.6 MiB/atom ``fast``, 1.71 MiB/atom ``lean`` (12,288 and 73,728 atoms).
 """
 
 from __future__ import annotations
