@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -408,6 +409,14 @@ def raise_if_coincident(
     )
 
 
+def stable_argsort(key: Tensor) -> Tensor:
+    """``torch.argsort(key, stable=True)``; host tensors go through NumPy's stable sort, about
+    twice as fast as torch's CPU sort at the 10^4–10^5 keys of a small batch's host graph."""
+    if key.device.type == "cpu":
+        return torch.from_numpy(np.argsort(key.numpy(), kind="stable"))
+    return torch.argsort(key, stable=True)
+
+
 def canonical_order(dst: Tensor, src: Tensor, shifts: Tensor, *, n_atoms: int) -> PairList:
     """Sort pairs by ``dst``, then ``src``, then ``shifts`` lexicographically (pairs are unique)."""
     if dst.numel() == 0:
@@ -418,9 +427,9 @@ def canonical_order(dst: Tensor, src: Tensor, shifts: Tensor, *, n_atoms: int) -
     code = ((shifts[:, 0] + reach) * base + shifts[:, 1] + reach) * base + shifts[:, 2] + reach
     dst_span = last - first + 1
     if dst_span * n_atoms * base**3 < _MAX_SORT_KEY:
-        order = torch.argsort(((dst - first) * n_atoms + src) * base**3 + code)
+        order = stable_argsort(((dst - first) * n_atoms + src) * base**3 + code)
     else:
-        order = torch.argsort(code, stable=True)
-        order = order[torch.argsort(src[order], stable=True)]
-        order = order[torch.argsort(dst[order], stable=True)]
+        order = stable_argsort(code)
+        order = order[stable_argsort(src[order])]
+        order = order[stable_argsort(dst[order])]
     return PairList(dst[order], src[order], shifts[order])

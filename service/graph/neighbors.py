@@ -31,6 +31,7 @@ from service.graph.cell_list import (
     find_pairs,
     raise_if_coincident,
     row_times_matrix,
+    stable_argsort,
 )
 from service.graph.structures import Structures
 
@@ -199,7 +200,7 @@ def graph_from_pairs(structures: Structures, pairs: PairList) -> Graph:
     n_atoms = structures.n_atoms
     atom_batch = structures.atom_batch
     dst_rowptr = _rowptr(pairs.dst, n_atoms)
-    src_order = torch.argsort(pairs.src, stable=True)
+    src_order = stable_argsort(pairs.src)
     return Graph(
         src=pairs.src,
         dst=pairs.dst,
