@@ -222,9 +222,10 @@ class DPA4Model(nn.Module):
             # Bounded-memory mode: the embedding stage's per-edge activations (radial MLP, env-seed
             # filter) are recomputed in the backward like the convolutions' chunks; only its
             # outputs, which every block reads, stay resident.
-            x, radial = checkpoint(
+            state: tuple[Tensor, Tensor] = checkpoint(
                 partial(self.initial_state, fused=fused), types, cache, use_reentrant=False
             )
+            x, radial = state
         else:
             x, radial = self.initial_state(types, cache, taps, fused=fused)
         if taps is not None:

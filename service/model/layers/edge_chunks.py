@@ -76,14 +76,14 @@ def split_edges(values: Tensor, chunks: list[EdgeChunk]) -> tuple[Tensor, ...]:
     concatenation, linear in E whatever the chunk count."""
     if len(chunks) == 1:
         return (values,)
-    return values.split([c.n_edges for c in chunks])
+    return tuple(values.split_with_sizes([c.n_edges for c in chunks]))
 
 
 def split_nodes(values: Tensor, chunks: list[EdgeChunk]) -> tuple[Tensor, ...]:
     """Each chunk's rows of a per-node tensor ``(N, ...)``; chunks tile the nodes in order."""
     if len(chunks) == 1:
         return (values,)
-    return values.split([c.n_nodes for c in chunks])
+    return tuple(values.split_with_sizes([c.n_nodes for c in chunks]))
 
 
 def node_ranges(dst_rowptr: list[int], max_edges: int) -> list[tuple[int, int]]:

@@ -10,8 +10,6 @@ from typing import Protocol
 
 from torch import Tensor
 
-from so2kernels.segment import segment_sum
-
 
 class GraphLike(Protocol):
     """Topology fields the model reads (``service.graph.Graph``)."""
@@ -44,15 +42,3 @@ def sum_into_dst(rows: Tensor, dst: Tensor, n_nodes: int) -> Tensor:
     """
     out = rows.new_zeros((n_nodes, *rows.shape[1:]))
     return out.index_add(0, dst, rows)
-
-
-def dst_sum(rows: Tensor, graph: GraphLike, n_nodes: int, *, fused: bool) -> Tensor:
-    """``sum_into_dst`` over a whole graph: ``rows (E, *S) → (N, *S)``.
-
-    ``fused`` reduces with the CSR ``segment_sum`` over ``dst_rowptr`` (edges are sorted by dst):
-    one pass in edge order, no atomics, bitwise reproducible, its backward a gather-free
-    broadcast. The reference path keeps ``index_add``.
-    """
-    if fused:
-        return segment_sum(rows, None, graph.dst_rowptr)
-    return sum_into_dst(rows, graph.dst, n_nodes)
