@@ -37,7 +37,7 @@ case "$topic" in
     STEP_S=400 run python3 benchmarks/kernels_mixing_stack.py --cases bar --sweep --sweep-cases served
     ;;
   proof)  # one call: aggregate op, fast-tier stack sweep + bar, model step both tiers + lean, service
-    STEP_S=80 run python3 -m pytest -q -m gpu tests/kernels/test_aggregate.py -x
+    STEP_S=80 run python3 -m pytest -q -m gpu tests/kernels/test_aggregate.py tests/kernels/test_outer_sum.py -x
     STEP_S=60 run python3 benchmarks/kernels_aggregate.py --no-compile
     STEP_S=150 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --sweep --sweep-cases bar --sweep-precisions fp16x3
     STEP_S=100 run python3 benchmarks/model.py --cases bar:192,12288 --paths fused fused-fp16x3 --profile --repeats 5 --agreement-sizes 192 12288 --fp64-sizes 192 --fp64-configs
