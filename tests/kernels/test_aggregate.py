@@ -314,14 +314,19 @@ def test_kernels_compile_for_sm90() -> None:
 # GPU (the lead runs these on the H200)
 
 
-def _node_sample(ops: Operands, nodes: torch.Tensor) -> tuple[Operands, torch.Tensor]:
-    """The sub-problem of some nodes (all their edges): exact for those nodes' outputs."""
-    x_local, wigner, weights, rowptr = ops
+def node_subgraph(rowptr: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(edges, sub_rowptr)`` of some nodes with all their edges: the exact sub-problem for
+    those nodes' outputs (shared with test_outer_sum)."""
     counts = rowptr[1:] - rowptr[:-1]
     edges = torch.cat([torch.arange(int(rowptr[n]), int(rowptr[n + 1])) for n in nodes.tolist()])
-    edges = edges.to(x_local.device)
     sub_ptr = torch.zeros(len(nodes) + 1, dtype=torch.int64, device=rowptr.device)
-    sub_ptr[1:] = torch.cumsum(counts[nodes], 0)
+    sub_ptr[1:] = torch.cumsum(counts[nodes.to(rowptr.device)], 0)
+    return edges.to(rowptr.device), sub_ptr
+
+
+def _node_sample(ops: Operands, nodes: torch.Tensor) -> tuple[Operands, torch.Tensor]:
+    x_local, wigner, weights, rowptr = ops
+    edges, sub_ptr = node_subgraph(rowptr, nodes)
     return (x_local[edges], wigner[edges], weights[edges], sub_ptr), edges
 
 

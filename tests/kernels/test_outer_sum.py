@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_aggregate import node_subgraph
 from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  (fixture)
 
 from so2kernels._dispatch import UnsupportedInputError, use_triton
@@ -302,13 +303,8 @@ def test_kernels_compile_for_sm90() -> None:
 
 
 def _node_sample(ops: Operands, nodes: torch.Tensor) -> tuple[Operands, torch.Tensor]:
-    """The sub-problem of some nodes (all their edges): exact for those nodes' outputs."""
     a, b, row_map, rowptr = ops
-    counts = rowptr[1:] - rowptr[:-1]
-    edges = torch.cat([torch.arange(int(rowptr[n]), int(rowptr[n + 1])) for n in nodes.tolist()])
-    edges = edges.to(a.device)
-    sub_ptr = torch.zeros(len(nodes) + 1, dtype=torch.int64, device=rowptr.device)
-    sub_ptr[1:] = torch.cumsum(counts[nodes.to(rowptr.device)], 0)
+    edges, sub_ptr = node_subgraph(rowptr, nodes)
     return (a[edges], b[edges], row_map, sub_ptr), edges
 
 
