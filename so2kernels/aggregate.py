@@ -81,6 +81,8 @@ __all__ = [
 ]
 
 _OP = "so2_attention_aggregate"
+# (grad x_local, grad wigner, grad weights)
+_Grads = tuple[Tensor, Tensor, Tensor]
 
 # Input checks (shapes and dtypes only: no device synchronisation)
 
@@ -193,8 +195,8 @@ def attention_aggregate_backward_reference(
     weights: Tensor,
     dst_rowptr: Tensor,
     lmax: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Closed-form ``(grad x_local, grad wigner, grad weights)``, differentiable (training).
+) -> _Grads:
+    """``(grad x_local, grad wigner, grad weights)`` written out by hand; differentiable (training).
 
     With ``g_e = s ⊙ grad_out[dst(e)]`` (rescaled node gradient) and ``ρ`` the structural
     reduced Wigner rows: ``grad x = w_e ⊙ ρ·g_e``; ``grad ρ[r, q] = Σ_c g_e[q, c]·w_e·x[r, c]``;
@@ -247,9 +249,9 @@ def _aggregate_fwd_kernel(
     L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, GW: tl.constexpr,
     DP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    ROW: tl.constexpr = (3 * L + 1) * FD
-    D: tl.constexpr = (L + 1) * (L + 1)
-    node = tl.program_id(0).to(tl.int64)
+    ROW: tl.constexpr = FD * (3 * L + 1)
+    D: tl.constexpr = (L + 1) * L + L + 1
+    node = tl.program_id(axis=0).to(tl.int64)
     cvec = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = cvec < WD
     # Channel c = f·FD + cf sits at f·ROW + r·FD + cf inside an edge's (F, ROW) row.
@@ -344,9 +346,9 @@ def _aggregate_bwd_kernel(
     Wigner gradients collect in a (BLOCK_E, SP) register tile stored once: a (BLOCK_E,) store
     per entry would cost a shared-memory layout exchange each.
     """
-    ROW: tl.constexpr = (3 * L + 1) * FD
-    D: tl.constexpr = (L + 1) * (L + 1)
-    edges = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ROW: tl.constexpr = FD * (3 * L + 1)
+    D: tl.constexpr = (L + 1) * L + L + 1
+    edges = tl.arange(0, BLOCK_E) + BLOCK_E * tl.program_id(axis=0).to(tl.int64)
     edge_live = edges < n_edge
     cvec = tl.arange(0, WP)
     c_mask = cvec < WD
@@ -521,7 +523,7 @@ def launch_aggregate_bwd(
     dst_rowptr: Tensor,
     lmax: int,
     tiles: BwdTiles | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> _Grads:
     """Backward kernel; ``grad_out`` and ``x_local`` contiguous. ``tiles`` overrides the
     default launch shape (tests and the benchmark sweep)."""
     n_edge = x_local.shape[0]
@@ -537,7 +539,8 @@ def launch_aggregate_bwd(
     block_e, num_warps, col_stages = tiles or _bwd_tiles(x_local.device, lanes)
     scale = rotate_back_rescale(lmax, x_local.device, torch.float32)
     dst = dst_of_edges(dst_rowptr, n_edge)
-    wrap_triton(_aggregate_bwd_kernel)[(triton.cdiv(n_edge, block_e),)](
+    n_blocks = triton.cdiv(n_edge, block_e)
+    wrap_triton(_aggregate_bwd_kernel)[(n_blocks,)](
         grad_out, x_local, wigner, weights, dst, scale,
         grad_x, grad_wigner, grad_weights,
         n_edge, x_local.stride(0), wigner.stride(0), wigner.stride(1), wigner.stride(2),
@@ -581,7 +584,7 @@ def _aggregate_bwd_op(
     weights: Tensor,
     dst_rowptr: Tensor,
     lmax: int,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> _Grads:
     check_aggregate_inputs(x_local, wigner, weights, dst_rowptr, lmax)
     _check_grad_out(grad_out, x_local, dst_rowptr, lmax)
     if not use_triton(grad_out, x_local, wigner, weights, dst_rowptr):
@@ -603,7 +606,7 @@ def _aggregate_bwd_fake(
     weights: Tensor,
     dst_rowptr: Tensor,
     lmax: int,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> _Grads:
     _check_grad_out(grad_out, x_local, dst_rowptr, lmax)
     return (
         x_local.new_empty(x_local.shape),

@@ -1,10 +1,11 @@
 """Gated SO(2) activation of one mixing layer: ``so2kernels::gated_act``.
 
 Layout contract.
-``z`` is a focus-major pre-activation ``(F, E, ROW)`` with ``ROW = (3L+1)·Cf`` in the m-major
-reduced order of :mod:`so2kernels._layout`: columns ``[0, Cf)`` are the ``l = 0`` scalar row,
-``[Cf, M0)`` the ``m = 0`` rows of degrees ``1..L``, ``[M0, M0+LG)`` the ``m = -1`` rows and
-``[M0+LG, ROW)`` the ``m = +1`` rows (``M0 = (L+1)·Cf``, ``LG = L·Cf``).
+``z`` holds one pre-activation row of width ``ROW = (3L+1)·Cf`` per (focus stream, edge), i.e.
+``(F, E, ROW)`` focus-major, stored in the m-major reduced order of :mod:`so2kernels._layout`:
+columns ``[0, Cf)`` are the ``l = 0`` scalar row, ``[Cf, M0)`` the ``m = 0`` rows of degrees
+``1..L``, ``[M0, M0+LG)`` the ``m = -1`` rows and ``[M0+LG, ROW)`` the ``m = +1`` rows
+(``M0 = (L+1)·Cf``, ``LG = L·Cf``).
 
 ``gw`` ``(F, Cf, LG)`` is the per-focus gate projection in (in, out) storage: the sigmoid gate of
 degree ``l`` occupies columns ``[(l-1)·Cf, l·Cf)`` of ``sigmoid(z_scalar @ gw)``. ``gwt``
@@ -28,7 +29,7 @@ registration (fake, autograd).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -36,7 +37,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from so2kernels._dispatch import require_fp32, use_triton
-from so2kernels._layout import block_widths, check_regime, row_width
+from so2kernels._layout import check_regime, row_width
 from so2kernels.mixing_stack_kernels import (
     StackPrecision,
     TileConfig,
@@ -58,7 +59,18 @@ __all__ = [
 # Operand checks
 
 
-def check_gated_act_operands(op: str, z: Tensor, gw: Tensor, lmax: int, focus_dim: int) -> None:
+class _Dims(NamedTuple):
+    """Static geometry of one call: maximum degree and per-focus channel width."""
+
+    lmax: int
+    focus_dim: int
+
+    @property
+    def gate_width(self) -> int:
+        return self.lmax * self.focus_dim
+
+
+def check_gated_act_operands(op: str, z: Tensor, gw: Tensor, *, lmax: int, focus_dim: int) -> None:
     """Shapes must follow the layout contract; raises ``ValueError`` with the offending shape."""
     row = row_width(lmax, focus_dim)
     gate_width = lmax * focus_dim
@@ -82,48 +94,56 @@ def _gate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def gated_act_reference(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Tensor:
-    """Eager ground truth of :func:`gated_act`: ``z (F, E, ROW)``, ``gw (F, Cf, LG)``.
+def _degree_gates(s: Tensor, proj: Tensor) -> Tensor:
+    """``sigmoid(s @ proj)``: one gate per (degree, channel), ``(F, E, LG)``."""
+    return torch.bmm(s, proj).sigmoid()
 
-    ``gwt`` is accepted for signature parity with the fused op and is not read.
+
+def gated_act_reference(
+    z: Tensor, gw: Tensor, gwt: Tensor | None, lmax: int, focus_dim: int
+) -> Tensor:
+    """Eager ground truth of :func:`gated_act` (``z (F, E, ROW)``, ``gw (F, Cf, LG)``).
+
+    ``gwt`` is only there so the argument list matches the fused op; it is never read.
     """
-    del gwt
-    m0 = block_widths(lmax, focus_dim)[0]
-    scalar = z[:, :, :focus_dim]
-    cdt = _gate_dtype(z.dtype)
-    gate = torch.sigmoid(torch.bmm(scalar.to(cdt), gw.to(cdt))).to(z.dtype)
-    return torch.cat(
-        [
-            scalar * torch.sigmoid(scalar.to(cdt)).to(z.dtype),
-            z[:, :, focus_dim:m0] * gate,
-            z[:, :, m0:] * gate.repeat(1, 1, 2),
-        ],
-        dim=-1,
+    del gwt, lmax
+    work = _gate_dtype(z.dtype)
+    s = z[..., :focus_dim].to(work)
+    # One multiplier per column: SiLU's own sigmoid on the scalar row, then the degree gates
+    # repeated for the m = 0, m = -1 and m = +1 blocks (each element is a single product).
+    factor = torch.cat(
+        [s.sigmoid().to(z.dtype), _degree_gates(s, gw.to(work)).to(z.dtype).repeat(1, 1, 3)],
+        dim=2,
     )
+    return z * factor
 
 
 def gated_act_backward_reference(
-    grad: Tensor, z: Tensor, gw: Tensor, lmax: int, focus_dim: int
+    grad: Tensor, z: Tensor, gw: Tensor, /, lmax: int, focus_dim: int
 ) -> tuple[Tensor, Tensor]:
-    """Closed-form vector-Jacobian product of :func:`gated_act_reference` with respect to ``z``.
+    """Vector-Jacobian product of :func:`gated_act_reference` in z, written out by hand.
 
-    Returns ``(grad_z (F, E, ROW), grad_logit (F, E, LG))`` where ``grad_logit`` is the cotangent
-    of the gate logits ``q = z_scalar @ gw`` (the gate weight's gradient is
-    ``z_scalarᵀ @ grad_logit``). ``grad_z`` already contains the route through the gate logits
-    into the scalar rows. Differentiable by autograd (plain ATen).
+    Gives ``grad_z (F, E, ROW)`` together with ``grad_logit (F, E, LG)``, the cotangent of the
+    gate logits ``q = z_scalar @ gw``; contracting ``z_scalarᵀ @ grad_logit`` yields the gate
+    weight's gradient. The path through the logits back into the scalar rows is already part of
+    ``grad_z``. Plain ATen, so autograd can differentiate it again.
     """
-    gate_width = block_widths(lmax, focus_dim)[2]
-    scalar = z[:, :, :focus_dim]
-    gate = torch.sigmoid(torch.bmm(scalar, gw))
-    swish_gate = torch.sigmoid(scalar)
-    silu_slope = swish_gate * (1.0 + scalar * (1.0 - swish_gate))
-    rows = (*z.shape[:2], 3, gate_width)
-    g_rows = grad[:, :, focus_dim:].reshape(rows)
-    z_rows = z[:, :, focus_dim:].reshape(rows)
-    grad_logit = (g_rows * z_rows).sum(2) * gate * (1.0 - gate)
-    grad_scalar = grad[:, :, :focus_dim] * silu_slope + torch.bmm(grad_logit, gw.transpose(1, 2))
-    grad_rows = (g_rows * gate.unsqueeze(2)).reshape(z.shape[0], z.shape[1], 3 * gate_width)
-    return torch.cat([grad_scalar, grad_rows], dim=-1), grad_logit
+    n_focus, n_edge, _ = z.shape
+    lg = lmax * focus_dim
+    s = z[..., :focus_dim]
+    sig_s = s.sigmoid()
+    gate = _degree_gates(s, gw)
+    split = (n_focus, n_edge, 3, lg)
+    g_r = grad[..., focus_dim:].reshape(split)
+    z_r = z[..., focus_dim:].reshape(split)
+    grad_logit = (g_r * z_r).sum(2) * gate * (1.0 - gate)
+    d_silu = sig_s * (1.0 + s * (1.0 - sig_s))
+    head = grad[..., :focus_dim] * d_silu + torch.bmm(grad_logit, gw.mT)
+    tail = (g_r * gate[:, :, None, :]).reshape(n_focus, n_edge, 3 * lg)
+    return torch.cat([head, tail], dim=-1), grad_logit
+
+
+_Triple = tuple[Tensor, Tensor, Tensor]
 
 
 def gated_act_double_backward_reference(
@@ -132,68 +152,67 @@ def gated_act_double_backward_reference(
     grad: Tensor,
     z: Tensor,
     gw: Tensor,
+    *,
     lmax: int,
     focus_dim: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Closed-form second order: the VJP of :func:`gated_act_backward_reference`.
+) -> _Triple:
+    """Second order by hand: the VJP of :func:`gated_act_backward_reference`.
 
-    With cotangents ``h_grad_z (F, E, ROW)`` on ``grad_z`` and ``h_grad_logit (F, E, LG)`` on
-    ``grad_logit`` (either may be ``None``), returns the gradients with respect to
-    ``(grad (F, E, ROW), z (F, E, ROW), gw (F, Cf, LG))``.
+    Takes cotangents on its two outputs -- ``h_grad_z (F, E, ROW)`` and ``h_grad_logit
+    (F, E, LG)``, each possibly ``None`` -- and gives gradients for ``grad (F, E, ROW)``,
+    ``z (F, E, ROW)`` and ``gw (F, Cf, LG)`` in that order.
 
-    Per edge, with s the scalar row, a = s·gw, σ = sigmoid(a), φ = sigmoid(s), P = Σ_rows g·z and
-    q = P·σ(1−σ): the first order is ``gz_s = g_s·silu'(s) + q·gwᵀ``, ``gz_r = g_r·σ``. Its
-    adjoint collects ``hq = h_q + h_s·gw`` (``q`` feeds ``gz_s``), then
-    ``hσ = Σ_r h_r·g_r + hq·P·(1−2σ)`` and ``ha = hσ·σ(1−σ)``.
+    Notation per edge: scalar row s, logits a = s·gw, σ = sigmoid(a), φ = sigmoid(s),
+    P = Σ_rows g·z and q = P·σ(1−σ). First order: ``gz_s = g_s·silu'(s) + q·gwᵀ`` and
+    ``gz_r = g_r·σ``. Going back through it: ``hq = h_q + h_s·gw`` (q enters gz_s),
+    ``hσ = Σ_r h_r·g_r + hq·P·(1−2σ)``, ``ha = hσ·σ(1−σ)``.
     """
-    gate_width = block_widths(lmax, focus_dim)[2]
     n_focus, n_edge, row = z.shape
-    scalar = z[:, :, :focus_dim]
-    gate = torch.sigmoid(torch.bmm(scalar, gw))
-    gate_slope = gate * (1.0 - gate)
-    swish_gate = torch.sigmoid(scalar)
-    silu_slope = swish_gate * (1.0 + scalar * (1.0 - swish_gate))
-    silu_curv = swish_gate * (1.0 - swish_gate) * (2.0 + scalar * (1.0 - 2.0 * swish_gate))
-    shape_rows = (n_focus, n_edge, 3, gate_width)
-    g_rows = grad[:, :, focus_dim:].reshape(shape_rows)
-    z_rows = z[:, :, focus_dim:].reshape(shape_rows)
-    grad_logit = (g_rows * z_rows).sum(2) * gate_slope
+    fd = focus_dim
+    split = (n_focus, n_edge, 3, lmax * fd)
+    s = z[..., :fd]
+    sig_s = s.sigmoid()
+    gate = _degree_gates(s, gw)
+    slope = gate * (1.0 - gate)
+    g_r = grad[..., fd:].reshape(split)
+    z_r = z[..., fd:].reshape(split)
+    proj_gz = (g_r * z_r).sum(2)
+    grad_logit = proj_gz * slope
 
-    h_scalar = h_grad_z[:, :, :focus_dim] if h_grad_z is not None else None
-    h_logit = torch.zeros_like(gate)
+    hs = None if h_grad_z is None else h_grad_z[..., :fd]
+    hr = None if h_grad_z is None else h_grad_z[..., fd:].reshape(split)
+    hq = torch.zeros_like(gate)
     if h_grad_logit is not None:
-        h_logit = h_logit + h_grad_logit
-    if h_scalar is not None:
-        h_logit = h_logit + torch.bmm(h_scalar, gw)
-    h_rows = h_grad_z[:, :, focus_dim:].reshape(shape_rows) if h_grad_z is not None else None
+        hq = hq + h_grad_logit
+    if hs is not None:
+        hq = hq + torch.bmm(hs, gw)
 
-    # Cotangent of the gate: through the gated rows (h_r·g_r) and through q = P·σ(1−σ).
-    hq_slope = h_logit * gate_slope
-    h_gate = h_logit * (g_rows * z_rows).sum(2) * (1.0 - 2.0 * gate)
-    if h_rows is not None:
-        h_gate = h_gate + (h_rows * g_rows).sum(2)
-    h_gate_logit = h_gate * gate_slope
+    # Gate cotangent: from the gated rows (h_r·g_r) and from q = P·σ(1−σ).
+    hq_s = hq * slope
+    h_sig = hq * proj_gz * (1.0 - 2.0 * gate)
+    if hr is not None:
+        h_sig = h_sig + (hr * g_r).sum(2)
+    ha = h_sig * slope
 
-    # d/d grad
-    grad_rows_wrt_g = hq_slope.unsqueeze(2) * z_rows
-    if h_rows is not None:
-        grad_rows_wrt_g = grad_rows_wrt_g + h_rows * gate.unsqueeze(2)
-    grad_scalar_wrt_g = h_scalar * silu_slope if h_scalar is not None else torch.zeros_like(scalar)
-    d_grad = torch.cat(
-        [grad_scalar_wrt_g, grad_rows_wrt_g.reshape(n_focus, n_edge, row - focus_dim)], dim=-1
-    )
+    # Gradient for grad.
+    dg_r = hq_s[:, :, None, :] * z_r
+    if hr is not None:
+        dg_r = dg_r + hr * gate[:, :, None, :]
+    dg_s = torch.zeros_like(s) if hs is None else hs * (sig_s * (1.0 + s * (1.0 - sig_s)))
+    d_grad = torch.cat([dg_s, dg_r.reshape(n_focus, n_edge, row - fd)], dim=-1)
 
-    # d/d z
-    d_scalar = torch.bmm(h_gate_logit, gw.transpose(1, 2))
-    if h_scalar is not None:
-        d_scalar = d_scalar + h_scalar * grad[:, :, :focus_dim] * silu_curv
-    d_rows = hq_slope.unsqueeze(2) * g_rows
-    d_z = torch.cat([d_scalar, d_rows.reshape(n_focus, n_edge, row - focus_dim)], dim=-1)
+    # Gradient for z.
+    dz_s = torch.bmm(ha, gw.mT)
+    if hs is not None:
+        curv = sig_s * (1.0 - sig_s) * (2.0 + s * (1.0 - 2.0 * sig_s))
+        dz_s = dz_s + hs * grad[..., :fd] * curv
+    dz_r = hq_s[:, :, None, :] * g_r
+    d_z = torch.cat([dz_s, dz_r.reshape(n_focus, n_edge, row - fd)], dim=-1)
 
-    # d/d gw: the logit route (sᵀ·ha) and the contraction gz_s ∋ q·gwᵀ (h_sᵀ·q, transposed).
-    d_gw = torch.bmm(scalar.transpose(1, 2), h_gate_logit)
-    if h_scalar is not None:
-        d_gw = d_gw + torch.bmm(h_scalar.transpose(1, 2), grad_logit)
+    # Gradient for gw: logit route sᵀ·ha, plus gz_s ∋ q·gwᵀ contributing h_sᵀ·q (transposed).
+    d_gw = torch.bmm(s.mT, ha)
+    if hs is not None:
+        d_gw = d_gw + torch.bmm(hs.mT, grad_logit)
     return d_grad, d_z, d_gw
 
 
@@ -201,152 +220,147 @@ def gated_act_double_backward_reference(
 
 
 def _gate_grid(n_edge: int, width: int, n_focus: int, cfg: TileConfig) -> tuple[int, int]:
-    return triton.cdiv(n_edge, cfg.block_m) * triton.cdiv(width, cfg.block_n), n_focus
+    tiles_m = triton.cdiv(n_edge, cfg.block_m)
+    return tiles_m * triton.cdiv(width, cfg.block_n), n_focus
 
 
-def _gated_act_fused(z: Tensor, gw: Tensor, lmax: int, focus_dim: int) -> Tensor:
-    """Triton forward; ``z`` and ``gw`` contiguous fp32. One gate-GEMM launch writes every row."""
+def _exact_tiles(dims: _Dims, device: torch.device) -> TileConfig:
+    return tile_config("gate", dims.focus_dim, dims.lmax, StackPrecision.EXACT, device)
+
+
+def _launch_fwd(z: Tensor, gw: Tensor, dims: _Dims) -> Tensor:
+    """Triton forward (``z``, ``gw`` contiguous fp32); one gate-GEMM launch fills all rows."""
     n_focus, n_edge, _ = z.shape
     out = torch.empty_like(z)
-    if n_edge == 0:
-        return out
-    cfg = tile_config("gate", focus_dim, lmax, StackPrecision.EXACT, z.device)
-    gate_width = lmax * focus_dim
-    wrap_triton(gate_fwd_kernel)[_gate_grid(n_edge, gate_width, n_focus, cfg)](
-        z, gw, gw, z, z, out, n_edge, 0,
-        L=lmax, FD=focus_dim, HAS_RES=False, ALL_ROWS=True, STORE_SIG=False, FAST=False,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    if n_edge > 0:
+        cfg = _exact_tiles(dims, z.device)
+        grid = _gate_grid(n_edge, dims.gate_width, n_focus, cfg)
+        wrap_triton(gate_fwd_kernel)[grid](
+            z, gw, gw, z, z, out, n_edge, 0,
+            L=dims.lmax, FD=dims.focus_dim, HAS_RES=False, ALL_ROWS=True, STORE_SIG=False,
+            FAST=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     return out
 
 
-def _gated_act_bwd_fused(
-    grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
-) -> tuple[Tensor, Tensor]:
-    """Triton first order: gated rows and logit cotangent, then the scalar rows (needs ``q``)."""
+def _launch_bwd(cot: Tensor, z: Tensor, proj: Tensor, proj_t: Tensor, dims: _Dims) -> _Pair:
+    """Triton first order in two launches: gated rows plus logit cotangent first, then the
+    scalar rows, which consume that cotangent."""
     n_focus, n_edge, _ = z.shape
-    gate_width = lmax * focus_dim
-    grad_z = torch.empty_like(z)
-    grad_logit = z.new_empty((n_focus, n_edge, gate_width))
+    d_z = torch.empty_like(z)
+    d_logit = z.new_empty((n_focus, n_edge, dims.gate_width))
     if n_edge == 0:
-        return grad_z, grad_logit
-    cfg = tile_config("gate", focus_dim, lmax, StackPrecision.EXACT, z.device)
-    tiles = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
-    launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    wrap_triton(gate_bwd_kernel)[_gate_grid(n_edge, gate_width, n_focus, cfg)](
-        z, gw, gw, grad, grad_z, grad_logit, z, z, n_edge, 0,
-        L=lmax, FD=focus_dim, RECOVER=False, FAST=False, **tiles, **launch,
-    )  # fmt: skip
-    wrap_triton(scalar_bwd_kernel)[_gate_grid(n_edge, focus_dim, n_focus, cfg)](
-        grad_logit, gwt, gwt, z, grad, grad_z, z, z, n_edge, 0,
-        L=lmax, FD=focus_dim, RECOVER=False, FAST=False, **tiles, **launch,
-    )  # fmt: skip
-    return grad_z, grad_logit
+        return d_z, d_logit
+    cfg = _exact_tiles(dims, z.device)
+    common = {
+        "L": dims.lmax, "FD": dims.focus_dim, "RECOVER": False, "FAST": False,
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+    }  # fmt: skip
+    rows_grid = _gate_grid(n_edge, dims.gate_width, n_focus, cfg)
+    wrap_triton(gate_bwd_kernel)[rows_grid](
+        z, proj, proj, cot, d_z, d_logit, z, z, n_edge, 0, **common
+    )
+    scalar_grid = _gate_grid(n_edge, dims.focus_dim, n_focus, cfg)
+    wrap_triton(scalar_bwd_kernel)[scalar_grid](
+        d_logit, proj_t, proj_t, z, cot, d_z, z, z, n_edge, 0, **common
+    )
+    return d_z, d_logit
+
+
+_Pair = tuple[Tensor, Tensor]
 
 
 # Op registration
 
 
 def _check_gwt(op: str, gw: Tensor, gwt: Tensor) -> None:
-    if tuple(gwt.shape) != (gw.shape[0], gw.shape[2], gw.shape[1]):
+    expected = (gw.shape[0], gw.shape[2], gw.shape[1])
+    if tuple(gwt.shape) != expected:
         raise ValueError(
             f"so2kernels.{op}: gwt must be gw.transpose(1, 2) with shape "
-            f"{(gw.shape[0], gw.shape[2], gw.shape[1])}; got {tuple(gwt.shape)}"
+            f"{expected}; got {tuple(gwt.shape)}"
         )
 
 
 @torch.library.triton_op("so2kernels::gated_act", mutates_args=())
-def _gated_act_op(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Tensor:
-    check_gated_act_operands("gated_act", z, gw, lmax, focus_dim)
+def _act_op(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Tensor:
+    check_gated_act_operands("gated_act", z, gw, lmax=lmax, focus_dim=focus_dim)
     _check_gwt("gated_act", gw, gwt)
     if not use_triton(z, gw, gwt):
         return gated_act_reference(z, gw, gwt, lmax, focus_dim)
     check_regime("gated_act", lmax, focus_dim)
     require_fp32("gated_act", z=z, gw=gw)
-    return _gated_act_fused(z.contiguous(), gw.contiguous(), lmax, focus_dim)
+    return _launch_fwd(z.contiguous(), gw.contiguous(), _Dims(lmax, focus_dim))
 
 
-@_gated_act_op.register_fake  # type: ignore[untyped-decorator]
-def _gated_act_fake(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Tensor:
+@_act_op.register_fake  # type: ignore[untyped-decorator]
+def _act_meta(z: Tensor, *_rest: object) -> Tensor:
     return torch.empty_like(z, memory_format=torch.contiguous_format)
 
 
 @torch.library.triton_op("so2kernels::gated_act_bwd", mutates_args=())
-def _gated_act_bwd_op(
+def _act_bwd_op(
     grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
 ) -> tuple[Tensor, Tensor]:
-    check_gated_act_operands("gated_act_bwd", z, gw, lmax, focus_dim)
-    if not use_triton(grad, z, gw, gwt):
-        grad_z, grad_logit = gated_act_backward_reference(grad, z, gw, lmax, focus_dim)
-        return grad_z.contiguous(), grad_logit.contiguous()
-    require_fp32("gated_act_bwd", grad=grad, z=z, gw=gw, gwt=gwt)
-    return _gated_act_bwd_fused(
-        grad.contiguous(), z.contiguous(), gw.contiguous(), gwt.contiguous(), lmax, focus_dim
-    )
+    check_gated_act_operands("gated_act_bwd", z, gw, lmax=lmax, focus_dim=focus_dim)
+    if use_triton(grad, z, gw, gwt):
+        require_fp32("gated_act_bwd", grad=grad, z=z, gw=gw, gwt=gwt)
+        return _launch_bwd(
+            grad.contiguous(),
+            z.contiguous(),
+            gw.contiguous(),
+            gwt.contiguous(),
+            _Dims(lmax, focus_dim),
+        )
+    d_z, d_logit = gated_act_backward_reference(grad, z, gw, lmax, focus_dim)
+    return d_z.contiguous(), d_logit.contiguous()
 
 
-@_gated_act_bwd_op.register_fake  # type: ignore[untyped-decorator]
-def _gated_act_bwd_fake(
-    grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
-) -> tuple[Tensor, Tensor]:
-    n_focus, n_edge, _ = z.shape
+@_act_bwd_op.register_fake  # type: ignore[untyped-decorator]
+def _act_bwd_meta(grad: Tensor, z: Tensor, gw: Tensor, *_rest: object) -> _Pair:
+    # gw is (F, Cf, LG): its last extent is the logit width.
     return (
         torch.empty_like(z, memory_format=torch.contiguous_format),
-        z.new_empty((n_focus, n_edge, lmax * focus_dim)),
+        z.new_empty((z.shape[0], z.shape[1], gw.shape[2])),
     )
 
 
-def _gated_act_setup_context(
-    ctx: Any,
-    inputs: tuple[Tensor, Tensor, Tensor, int, int],
-    output: Tensor,
-) -> None:
-    z, gw, gwt, lmax, focus_dim = inputs
-    ctx.save_for_backward(z, gw, gwt)
-    ctx.lmax, ctx.focus_dim = lmax, focus_dim
+def _save_act(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[:3])  # z, gw, gwt
+    ctx.dims = _Dims(*inputs[3:])
 
 
-def _gated_act_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
-    z, gw, gwt = ctx.saved_tensors
-    focus_dim = ctx.focus_dim
-    grad_z, grad_logit = _gated_act_bwd_op(grad.contiguous(), z, gw, gwt, ctx.lmax, focus_dim)
-    # The gate weight reduces over every edge: a bmm (cuBLAS on GPU), differentiable as ATen.
-    grad_gw = torch.bmm(z[:, :, :focus_dim].transpose(1, 2), grad_logit)
-    return grad_z, grad_gw, None, None, None
+def _vjp_act(ctx: Any, cot: Tensor) -> tuple[Tensor | None, ...]:
+    pre, proj, proj_t = ctx.saved_tensors
+    dims: _Dims = ctx.dims
+    d_pre, d_logit = _act_bwd_op(cot.contiguous(), pre, proj, proj_t, *dims)
+    # The gate-weight gradient sums over all edges: one bmm (cuBLAS on GPU), still ATen and so
+    # differentiable.
+    d_proj = torch.bmm(pre[..., : dims.focus_dim].mT, d_logit)
+    return (d_pre, d_proj) + (None,) * 3
 
 
-def _gated_act_bwd_setup_context(
-    ctx: Any,
-    inputs: tuple[Tensor, Tensor, Tensor, Tensor, int, int],
-    output: tuple[Tensor, Tensor],
-) -> None:
-    grad, z, gw, _gwt, lmax, focus_dim = inputs
-    ctx.save_for_backward(grad, z, gw)
-    ctx.lmax, ctx.focus_dim = lmax, focus_dim
+def _save_act_bwd(ctx: Any, inputs: tuple[Any, ...], output: _Pair) -> None:
+    # gwt (index 3) is a transposed copy of gw and is not needed for the second order.
+    ctx.save_for_backward(*inputs[:3])  # grad, z, gw
+    ctx.dims = _Dims(*inputs[4:])
 
 
-def _gated_act_bwd_backward(
+def _vjp_act_bwd(
     ctx: Any, h_grad_z: Tensor | None, h_grad_logit: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
-    """Closed-form second order; ``gwt`` is a layout copy of ``gw`` and gets no gradient."""
-    grad, z, gw = ctx.saved_tensors
-    d_grad, d_z, d_gw = gated_act_double_backward_reference(
-        h_grad_z,
-        h_grad_logit,
-        grad,
-        z,
-        gw,
-        ctx.lmax,
-        ctx.focus_dim,
+) -> tuple[Tensor | None, ...]:
+    """Second order in closed form; ``gwt`` only mirrors ``gw`` and receives no gradient."""
+    saved = ctx.saved_tensors
+    firsts = gated_act_double_backward_reference(
+        h_grad_z, h_grad_logit, *saved, **ctx.dims._asdict()
     )
-    return d_grad, d_z, d_gw, None, None, None
+    return firsts + (None,) * 3
 
 
-_gated_act_op.register_autograd(_gated_act_backward, setup_context=_gated_act_setup_context)
-_gated_act_bwd_op.register_autograd(
-    _gated_act_bwd_backward, setup_context=_gated_act_bwd_setup_context
-)
+_act_op.register_autograd(_vjp_act, setup_context=_save_act)
+_act_bwd_op.register_autograd(_vjp_act_bwd, setup_context=_save_act_bwd)
 
 
 def gated_act(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Tensor:
@@ -356,7 +370,8 @@ def gated_act(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> 
     ``(F, E, ROW)``. Triton on CUDA (or under ``TRITON_INTERPRET=1``), fp32 only there; the eager
     reference elsewhere. Differentiable twice (closed forms); ``gwt`` receives no gradient.
     """
-    out: Tensor = _gated_act_op(z, gw, gwt, int(lmax), int(focus_dim))
+    dims = _Dims(int(lmax), int(focus_dim))
+    out: Tensor = _act_op(z, gw, gwt, *dims)
     return out
 
 
@@ -364,5 +379,6 @@ def gated_act_backward(
     grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
 ) -> tuple[Tensor, Tensor]:
     """``torch.ops.so2kernels.gated_act_bwd``: ``(grad_z (F, E, ROW), grad_logit (F, E, LG))``."""
-    grads: tuple[Tensor, Tensor] = _gated_act_bwd_op(grad, z, gw, gwt, int(lmax), int(focus_dim))
+    dims = _Dims(int(lmax), int(focus_dim))
+    grads: _Pair = _act_bwd_op(grad, z, gw, gwt, *dims)
     return grads

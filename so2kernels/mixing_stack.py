@@ -52,6 +52,14 @@ from so2kernels.mixing_stack_kernels import (
     weight_operands,
 )
 
+# Shape-named aliases of the operands (all plain tensors; see the layout contract above).
+FocusRows = Tensor  # (F, E, ROW) focus-major activation
+EdgeFocus = Tensor  # (E, F) competition weight
+LayerBlocks = Tensor  # (n, F, M, M) per-layer block weights, (in, out) storage
+GateBlocks = Tensor  # (n-1, F, Cf, LG) per-layer gate projections
+StackOutputs = tuple[Tensor, Tensor, Tensor]  # (x_local, z_all, u_final)
+_OPERAND_NAMES = ("u0", "alpha", "w0_all", "w1_all", "gw_all")  # the op's tensor operands
+
 __all__ = [
     "StackPrecision",
     "check_stack_operands",
@@ -65,11 +73,11 @@ __all__ = [
 
 def check_stack_operands(
     op: str,
-    u0: Tensor,
-    alpha: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
+    u0: FocusRows,
+    alpha: EdgeFocus,
+    w0_all: LayerBlocks,
+    w1_all: LayerBlocks,
+    gw_all: GateBlocks,
     lmax: int,
     focus_dim: int,
 ) -> None:
@@ -105,118 +113,113 @@ def check_stack_operands(
 # Eager reference (any dtype, differentiable by plain autograd)
 
 
-def _block_linear(u: Tensor, w0: Tensor, w1: Tensor, m0: int) -> Tensor:
-    """``[u_m0 @ w0 | u_m1 @ w1]`` per focus: ``w0 (F, M0, M0)``, ``w1 (F, M1, M1)``."""
-    return torch.cat([torch.bmm(u[:, :, :m0], w0), torch.bmm(u[:, :, m0:], w1)], dim=-1)
+def _block_linear(act: Tensor, blocks: tuple[Tensor, Tensor], k: int, split: int) -> Tensor:
+    """Layer ``k`` of a block stack, per focus: the first ``split`` columns of ``act`` through
+    ``blocks[0][k]`` (m=0), the rest through ``blocks[1][k]`` (|m|=1), concatenated."""
+    head = act.narrow(-1, 0, split).bmm(blocks[0][k])
+    tail = act.narrow(-1, split, act.shape[-1] - split).bmm(blocks[1][k])
+    return torch.cat((head, tail), dim=-1)
 
 
 def mixing_stack_reference(
-    u0: Tensor,
-    alpha: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
+    u0: FocusRows,
+    alpha: EdgeFocus,
+    w0_all: LayerBlocks,
+    w1_all: LayerBlocks,
+    gw_all: GateBlocks,
     lmax: int,
     focus_dim: int,
     apply_alpha: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Eager ground truth of ``so2_mixing_stack``; returns ``(x_local, z_all, u_final)``.
+    /,
+) -> StackOutputs:
+    """Plain-ATen evaluation of the layout contract (the op's fallback and its test oracle).
 
-    Shapes: ``x_local (E, F, ROW)``, ``z_all (n-1, F, E, ROW)``, ``u_final (F, E, ROW)``. Any
-    floating dtype; differentiable (also twice) by autograd.
+    Gives ``x_local (E, F, ROW)``, ``z_all (n-1, F, E, ROW)`` and ``u_final (F, E, ROW)``, in any
+    floating dtype; autograd differentiates it (to second order as well).
     """
-    check_stack_operands(
-        "mixing_stack_reference", u0, alpha, w0_all, w1_all, gw_all, lmax, focus_dim
-    )
-    m0 = block_widths(lmax, focus_dim)[0]
-    n_gated = gw_all.shape[0]
-    u = u0
-    pre_activations: list[Tensor] = []
-    for layer in range(n_gated):
-        z = _block_linear(u, w0_all[layer], w1_all[layer], m0)
-        pre_activations.append(z)
-        gw = gw_all[layer]
-        u = u + gated_act_reference(z, gw, gw.transpose(1, 2), lmax, focus_dim)
-    u_final = u
-    out = u + _block_linear(u, w0_all[n_gated], w1_all[n_gated], m0)
+    operands = (u0, alpha, w0_all, w1_all, gw_all)
+    check_stack_operands("mixing_stack_reference", *operands, lmax, focus_dim)
+    split = block_widths(lmax, focus_dim)[0]
+    blocks = (w0_all, w1_all)
+    depth = gw_all.shape[0]
+    zs: list[Tensor] = []
+    act = u0
+    for k in range(depth):
+        zs.append(_block_linear(act, blocks, k, split))
+        proj = gw_all[k]
+        act = act + gated_act_reference(zs[-1], proj, proj.transpose(1, 2), lmax, focus_dim)
+    result = act + _block_linear(act, blocks, depth, split)
     if apply_alpha:
-        out = out * alpha.transpose(0, 1).unsqueeze(-1).to(out.dtype)
-    x_local = out.transpose(0, 1).contiguous()
-    z_all = torch.stack(pre_activations) if pre_activations else u0.new_empty((0, *u0.shape))
-    return x_local, z_all, u_final
+        # alpha is (E, F): lay it out as (F, E, 1) against the focus-major rows.
+        result = result * alpha.t()[:, :, None].to(result.dtype)
+    stacked = torch.stack(zs) if zs else u0.new_empty((0, *u0.shape))
+    return result.movedim(1, 0).contiguous(), stacked, act
 
 
 # Launcher (kernels in so2kernels.mixing_stack_kernels)
 
 
 def _mixing_stack_fused(
-    u0: Tensor,
-    alpha: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
-    lmax: int,
-    focus_dim: int,
-    apply_alpha: bool,
-    precision: StackPrecision,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Triton forward; operands contiguous fp32.
+    operands: tuple[Tensor, ...], lmax: int, focus_dim: int, apply_alpha: bool, tier: StackPrecision
+) -> StackOutputs:
+    """Triton forward over contiguous fp32 ``operands = (u0, alpha, w0_all, w1_all, gw_all)``.
 
-    Per gated layer three launches: the m=0 GEMM (stores z, finishes the SiLU scalar rows), the
-    gate GEMM (σ from the scalar rows, finishes the l>=1 m=0 rows, leaves σ), the |m|=1 GEMM
-    (stores z, applies σ and the residual). The final layer is two GEMMs storing
-    ``(u + u@W)·alpha`` edge-major.
+    A gated layer is three launches: the m=0 block GEMM (writes its z rows and completes the
+    scalar SiLU rows), the gate GEMM (sigmoids from the scalar rows; completes the l>=1 m=0 rows
+    and keeps the sigmoids), then the |m|=1 block GEMM (writes its z rows, gates them, adds the
+    residual). The identity layer is one GEMM per block, storing ``(u + u@W)·alpha`` edge-major.
     """
-    n_focus, n_edge, row = u0.shape
-    n_gated = gw_all.shape[0]
+    act, alpha, w0_all, w1_all, gw_all = operands
+    n_focus, n_edge, row = act.shape
+    depth = gw_all.shape[0]
     m0, m1, gate_width = block_widths(lmax, focus_dim)
-    z_all = u0.new_empty((n_gated, n_focus, n_edge, row))
-    x_local = u0.new_empty((n_edge, n_focus, row))
+    x_local = act.new_empty((n_edge, n_focus, row))
+    z_all = act.new_empty((depth, n_focus, n_edge, row))
     if n_edge == 0:
-        return x_local, z_all, u0.clone()
-    fast = precision is StackPrecision.FAST
-    gemm = tile_config("fwd", focus_dim, lmax, precision, u0.device)
-    gate = tile_config("gate", focus_dim, lmax, precision, u0.device)
-    w0 = weight_operands(w0_all, precision)
-    w1 = weight_operands(w1_all, precision)
-    gws = weight_operands(gw_all, precision)
-    shared = {"L": lmax, "FD": focus_dim, "FAST": fast}
-    gemm_meta = {
-        "BLOCK_M": gemm.block_m, "BLOCK_N": gemm.block_n, "BLOCK_K": gemm.block_k,
-        "num_warps": gemm.num_warps, "num_stages": gemm.num_stages, **shared,
-    }  # fmt: skip
-    gate_meta = {
-        "BLOCK_M": gate.block_m, "BLOCK_N": gate.block_n, "BLOCK_K": gate.block_k,
-        "num_warps": gate.num_warps, "num_stages": gate.num_stages, **shared,
-    }  # fmt: skip
+        return x_local, z_all, act.clone()
+    lin_tile = tile_config("fwd", focus_dim, lmax, tier, act.device)
+    gate_tile = tile_config("gate", focus_dim, lmax, tier, act.device)
+    common = {"L": lmax, "FD": focus_dim, "FAST": tier is StackPrecision.FAST}
 
-    def grid(width: int, block_m: int, block_n: int) -> tuple[int, int]:
-        return triton.cdiv(n_edge, block_m) * triton.cdiv(width, block_n), n_focus
+    def meta(tile: Any) -> dict[str, Any]:
+        return {
+            "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+            "num_warps": tile.num_warps, "num_stages": tile.num_stages, **common,
+        }  # fmt: skip
 
-    sig = u0.new_empty((n_focus, n_edge, gate_width))
-    u = u0
-    for layer in range(n_gated):
-        out = torch.empty_like(u0)
-        wrap_triton(block_fwd_kernel)[grid(m0, gemm.block_m, gemm.block_n)](
-            u, w0[0], w0[1], z_all, sig, alpha, out, n_edge, layer,
-            M1_BLOCK=False, FINAL=False, APPLY_ALPHA=False, **gemm_meta,
+    lin_meta, gate_meta = meta(lin_tile), meta(gate_tile)
+    blk0, blk1, proj = (weight_operands(w, tier) for w in (w0_all, w1_all, gw_all))
+
+    def launch_grid(cols: int, tile: Any) -> tuple[int, int]:
+        tiles_e = triton.cdiv(n_edge, tile.block_m)
+        return tiles_e * triton.cdiv(cols, tile.block_n), n_focus
+
+    linear = wrap_triton(block_fwd_kernel)
+    gating = wrap_triton(gate_fwd_kernel)
+    sig = act.new_empty((n_focus, n_edge, gate_width))
+    src = act
+    k = 0
+    while k < depth:
+        dst = torch.empty_like(act)
+        linear[launch_grid(m0, lin_tile)](
+            src, blk0[0], blk0[1], z_all, sig, alpha, dst, n_edge, k,
+            M1_BLOCK=False, FINAL=False, APPLY_ALPHA=False, **lin_meta,
         )  # fmt: skip
-        wrap_triton(gate_fwd_kernel)[grid(gate_width, gate.block_m, gate.block_n)](
-            z_all, gws[0], gws[1], u, sig, out, n_edge, layer,
+        gating[launch_grid(gate_width, gate_tile)](
+            z_all, proj[0], proj[1], src, sig, dst, n_edge, k,
             HAS_RES=True, ALL_ROWS=False, STORE_SIG=True, **gate_meta,
         )  # fmt: skip
-        wrap_triton(block_fwd_kernel)[grid(m1, gemm.block_m, gemm.block_n)](
-            u, w1[0], w1[1], z_all, sig, alpha, out, n_edge, layer,
-            M1_BLOCK=True, FINAL=False, APPLY_ALPHA=False, **gemm_meta,
+        linear[launch_grid(m1, lin_tile)](
+            src, blk1[0], blk1[1], z_all, sig, alpha, dst, n_edge, k,
+            M1_BLOCK=True, FINAL=False, APPLY_ALPHA=False, **lin_meta,
         )  # fmt: skip
-        u = out
-    for is_m1, (w, w_lo), width in ((False, w0, m0), (True, w1, m1)):
-        wrap_triton(block_fwd_kernel)[grid(width, gemm.block_m, gemm.block_n)](
-            u, w, w_lo, z_all, sig, alpha, x_local, n_edge, n_gated,
-            M1_BLOCK=is_m1, FINAL=True, APPLY_ALPHA=apply_alpha, **gemm_meta,
+        src, k = dst, k + 1
+    for upper, cols, (w_hi, w_lo) in ((False, m0, blk0), (True, m1, blk1)):
+        linear[launch_grid(cols, lin_tile)](
+            src, w_hi, w_lo, z_all, sig, alpha, x_local, n_edge, depth,
+            M1_BLOCK=upper, FINAL=True, APPLY_ALPHA=apply_alpha, **lin_meta,
         )  # fmt: skip
-    u_final = u if n_gated > 0 else u0.clone()
-    return x_local, z_all, u_final
+    return x_local, z_all, (src if depth else act.clone())
 
 
 # Op registration
@@ -234,47 +237,32 @@ def _mixing_stack_op(
     apply_alpha: bool,
     precision: str = "ieee",
 ) -> tuple[Tensor, Tensor, Tensor]:
+    name = "so2_mixing_stack"
+    tensors = (u0, alpha, w0_all, w1_all, gw_all)
     tier = StackPrecision.parse(precision)
-    check_stack_operands("so2_mixing_stack", u0, alpha, w0_all, w1_all, gw_all, lmax, focus_dim)
-    if not use_triton(u0, alpha, w0_all, w1_all, gw_all):
-        if tier is not StackPrecision.EXACT:
-            raise UnsupportedInputError(
-                f"so2kernels.so2_mixing_stack: precision {tier.value!r} needs the Triton path "
-                f"(CUDA tensors, or TRITON_INTERPRET=1); got device {u0.device}"
-            )
-        x_local, z_all, u_final = mixing_stack_reference(
-            u0, alpha, w0_all, w1_all, gw_all, lmax, focus_dim, apply_alpha
+    check_stack_operands(name, *tensors, lmax, focus_dim)
+    if use_triton(*tensors):
+        check_regime(name, lmax, focus_dim)
+        require_fp32(name, **dict(zip(_OPERAND_NAMES, tensors, strict=True)))
+        dense = tuple(t.contiguous() for t in tensors)
+        return _mixing_stack_fused(dense, lmax, focus_dim, apply_alpha, tier)
+    if tier is not StackPrecision.EXACT:
+        raise UnsupportedInputError(
+            f"so2kernels.{name}: precision {tier.value!r} needs the Triton path "
+            f"(CUDA tensors, or TRITON_INTERPRET=1); got device {u0.device}"
         )
-        # An op output must not alias an input (u_final is u0 itself for a 1-layer stack).
-        return x_local, z_all.contiguous(), u_final.clone() if u_final is u0 else u_final
-    check_regime("so2_mixing_stack", lmax, focus_dim)
-    require_fp32(
-        "so2_mixing_stack", u0=u0, alpha=alpha, w0_all=w0_all, w1_all=w1_all, gw_all=gw_all
-    )
-    return _mixing_stack_fused(
-        u0.contiguous(), alpha.contiguous(), w0_all.contiguous(), w1_all.contiguous(),
-        gw_all.contiguous(), lmax, focus_dim, apply_alpha, tier,
-    )  # fmt: skip
+    x_local, z_all, u_final = mixing_stack_reference(*tensors, lmax, focus_dim, apply_alpha)
+    # Outputs may not alias inputs: a one-layer stack hands u0 itself back as u_final.
+    return x_local, z_all.contiguous(), (u_final.clone() if u_final is u0 else u_final)
 
 
 @_mixing_stack_op.register_fake  # type: ignore[untyped-decorator]
-def _mixing_stack_fake(
-    u0: Tensor,
-    alpha: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
-    lmax: int,
-    focus_dim: int,
-    apply_alpha: bool,
-    precision: str = "ieee",
-) -> tuple[Tensor, Tensor, Tensor]:
-    n_focus, n_edge, row = u0.shape
-    return (
-        u0.new_empty((n_edge, n_focus, row)),
-        u0.new_empty((gw_all.shape[0], n_focus, n_edge, row)),
-        u0.new_empty((n_focus, n_edge, row)),
-    )
+def _mixing_stack_fake(u0: Tensor, *rest: Any) -> StackOutputs:
+    # rest = (alpha, w0_all, w1_all, gw_all, lmax, focus_dim, apply_alpha[, precision])
+    depth = rest[3].shape[0]
+    focus_major = u0.new_empty(u0.shape)
+    edge_major = u0.new_empty((u0.shape[1], u0.shape[0], u0.shape[2]))
+    return edge_major, u0.new_empty((depth, *u0.shape)), focus_major
 
 
 def _mixing_stack_setup_context(
@@ -282,13 +270,11 @@ def _mixing_stack_setup_context(
     inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool, str],
     output: tuple[Tensor, Tensor, Tensor],
 ) -> None:
-    u0, alpha, w0_all, w1_all, gw_all, lmax, focus_dim, apply_alpha, precision = inputs
-    x_local, z_all, u_final = output
-    ctx.save_for_backward(u0, alpha, w0_all, w1_all, gw_all, x_local, z_all, u_final)
-    # z_all and u_final usually have no consumer: keep their cotangents None, not zero tensors.
+    # Saved order: the five tensor operands, then (x_local, z_all, u_final).
+    ctx.save_for_backward(*inputs[:5], *output)
+    ctx.lmax, ctx.focus_dim, ctx.apply_alpha, ctx.precision = inputs[5:]
+    # Cotangents of z_all / u_final are mostly absent: leave them None rather than zero-filled.
     ctx.set_materialize_grads(False)
-    ctx.lmax, ctx.focus_dim = lmax, focus_dim
-    ctx.apply_alpha, ctx.precision = apply_alpha, precision
 
 
 def _mixing_stack_backward(
@@ -309,11 +295,13 @@ def _mixing_stack_backward(
     if torch.is_grad_enabled():
         # create_graph: compose registered ops and bmm so that a force loss can differentiate
         # this backward again through closed forms.
-        def act(z: Tensor, gw: Tensor, gwt: Tensor) -> Tensor:
-            return gated_act(z, gw, gwt, lmax, focus_dim)
+        def act(pre: Tensor, proj: Tensor, proj_t: Tensor) -> Tensor:
+            return gated_act(pre, proj, proj_t, lmax, focus_dim)
 
-        def act_bwd(g: Tensor, z: Tensor, gw: Tensor, gwt: Tensor) -> tuple[Tensor, Tensor]:
-            return gated_act_backward(g, z, gw, gwt.contiguous(), lmax, focus_dim)
+        def act_bwd(
+            cot: Tensor, pre: Tensor, proj: Tensor, proj_t: Tensor
+        ) -> tuple[Tensor, Tensor]:
+            return gated_act_backward(cot, pre, proj, proj_t.contiguous(), lmax, focus_dim)
 
         grads = stack_backward_composed(
             grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
@@ -353,7 +341,7 @@ def so2_mixing_stack(
     focus_dim: int,
     apply_alpha: bool,
     precision: StackPrecision | str = StackPrecision.EXACT,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> StackOutputs:
     """``torch.ops.so2kernels.so2_mixing_stack``: the whole mixing stack as one op.
 
     ``u0 (F, E, ROW)``, ``alpha (E, F)``, ``w0_all (n, F, M0, M0)``, ``w1_all (n, F, M1, M1)``,

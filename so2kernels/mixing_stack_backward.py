@@ -27,6 +27,7 @@ Two implementations of the same formulas:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -46,7 +47,7 @@ from so2kernels.mixing_stack_kernels import (
     weight_operands,
 )
 
-__all__ = ["mixing_stack_backward_reference", "stack_backward_composed"]
+__all__ = ["StackBwdArgs", "mixing_stack_backward_reference", "stack_backward_composed"]
 
 ActFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 """``act(z, gw, gwt) -> (F, E, ROW)``: the gated activation of one layer."""
@@ -58,19 +59,20 @@ StackGrads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 def _block_linear_t(g: Tensor, w0: Tensor, w1: Tensor, m0: int) -> Tensor:
-    """``[g_m0 @ w0ᵀ | g_m1 @ w1ᵀ]`` per focus (the residual backward of one layer)."""
-    return torch.cat(
-        [torch.bmm(g[:, :, :m0], w0.transpose(1, 2)), torch.bmm(g[:, :, m0:], w1.transpose(1, 2))],
-        dim=-1,
-    )
+    """Per focus, the m=0 columns of ``g`` times ``w0ᵀ`` beside the |m|=1 columns times ``w1ᵀ``."""
+    lo, hi = g[..., :m0], g[..., m0:]
+    return torch.cat([lo.bmm(w0.mT), hi.bmm(w1.mT)], dim=-1)
 
 
 def _block_weight_grads(u: Tensor, gz: Tensor, m0: int) -> tuple[Tensor, Tensor]:
-    """``(u_m0ᵀ gz_m0, u_m1ᵀ gz_m1)`` per focus: the edge-reduced outer products."""
-    return (
-        torch.bmm(u[:, :, :m0].transpose(1, 2), gz[:, :, :m0]),
-        torch.bmm(u[:, :, m0:].transpose(1, 2), gz[:, :, m0:]),
-    )
+    """Per focus and block, ``uᵀ gz`` summed over the edges (the block weight cotangents)."""
+    u_t = u.mT
+    return u_t[:, :m0].bmm(gz[..., :m0]), u_t[:, m0:].bmm(gz[..., m0:])
+
+
+def _gate_weight_grad(z: Tensor, grad_logit: Tensor, focus_dim: int) -> Tensor:
+    """Gate projection cotangent: the scalar rows of ``z`` transposed, times the logit cotangent."""
+    return z[..., :focus_dim].mT.bmm(grad_logit)
 
 
 def _empty_weight_grads(like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -85,7 +87,7 @@ def _grad_alpha(grad_out: Tensor, x_local: Tensor, alpha: Tensor, apply_alpha: b
 
 
 def _scaled_grad(grad_out: Tensor, alpha: Tensor, apply_alpha: bool) -> Tensor:
-    """Cotangent of the unscaled final-layer output, edge-major ``(E, F, ROW)``."""
+    """Cotangent of the final layer's output before the alpha scale; edge first, ``(E, F, ROW)``."""
     return grad_out * alpha.unsqueeze(-1) if apply_alpha else grad_out
 
 
@@ -128,21 +130,21 @@ def stack_backward_composed(
         gw0, gw1 = _block_weight_grads(u_final, gz, m0)
         grads_w0.append(gw0)
         grads_w1.append(gw1)
-    u_next = u_final
-    for layer in range(n_gated - 1, -1, -1):
-        z = z_all[layer]
+    u_above = u_final  # output of the layer being walked; becomes its input after the step
+    for layer in reversed(range(n_gated)):
         gw = gw_all[layer]
         gwt = gw.transpose(1, 2)
-        gz, grad_logit = act_bwd(g, z, gw, gwt)
+        z_k = z_all[layer]
+        gz, grad_logit = act_bwd(g, z_k, gw, gwt)
         if grad_z is not None:
             gz = gz + grad_z[layer]
         if need_weights:
-            u_in = u0 if layer == 0 else u_next - act(z, gw, gwt)
+            u_in = u_above - act(z_k, gw, gwt) if layer > 0 else u0
             gw0, gw1 = _block_weight_grads(u_in, gz, m0)
             grads_w0.append(gw0)
             grads_w1.append(gw1)
-            grads_gw.append(torch.bmm(z[:, :, :focus_dim].transpose(1, 2), grad_logit))
-            u_next = u_in
+            grads_gw.append(_gate_weight_grad(z_k, grad_logit, focus_dim))
+            u_above = u_in
         g = g + _block_linear_t(gz, w0_all[layer], w1_all[layer], m0)
     if not need_weights:
         return (g, grad_alpha, *_empty_weight_grads(g))
@@ -150,35 +152,37 @@ def stack_backward_composed(
     return g, grad_alpha, torch.stack(grads_w0[::-1]), torch.stack(grads_w1[::-1]), grad_gw_all
 
 
-def mixing_stack_backward_reference(
-    grad_out: Tensor,
-    x_local: Tensor,
-    z_all: Tensor,
-    u_final: Tensor,
-    alpha: Tensor,
-    u0: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
-    grad_z: Tensor | None,
-    grad_u: Tensor | None,
-    lmax: int,
-    focus_dim: int,
-    apply_alpha: bool,
-    need_weights: bool,
-) -> StackGrads:
+class StackBwdArgs(NamedTuple):
+    """Operands of the stack backward, in the op's order (without the precision tier)."""
+
+    grad_out: Tensor
+    x_local: Tensor
+    z_all: Tensor
+    u_final: Tensor
+    alpha: Tensor
+    u0: Tensor
+    w0_all: Tensor
+    w1_all: Tensor
+    gw_all: Tensor
+    grad_z: Tensor | None
+    grad_u: Tensor | None
+    lmax: int
+    focus_dim: int
+    apply_alpha: bool
+    need_weights: bool
+
+
+def mixing_stack_backward_reference(args: StackBwdArgs) -> StackGrads:
     """Eager closed-form backward (any dtype); see :func:`stack_backward_composed`."""
+    lmax, focus_dim = args.lmax, args.focus_dim
 
-    def act(z: Tensor, gw: Tensor, gwt: Tensor) -> Tensor:
-        return gated_act_reference(z, gw, gwt, lmax, focus_dim)
+    def act(zl: Tensor, proj: Tensor, proj_t: Tensor) -> Tensor:
+        return gated_act_reference(zl, proj, proj_t, lmax, focus_dim)
 
-    def act_bwd(g: Tensor, z: Tensor, gw: Tensor, gwt: Tensor) -> tuple[Tensor, Tensor]:
-        return gated_act_backward_reference(g, z, gw, lmax, focus_dim)
+    def act_bwd(cot: Tensor, zl: Tensor, proj: Tensor, _proj_t: Tensor) -> tuple[Tensor, Tensor]:
+        return gated_act_backward_reference(cot, zl, proj, lmax, focus_dim)
 
-    return stack_backward_composed(
-        grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
-        lmax, focus_dim, apply_alpha, need_weights, act, act_bwd,
-    )  # fmt: skip
+    return stack_backward_composed(*args, act, act_bwd)
 
 
 # Fused Triton traversal
@@ -202,25 +206,10 @@ class _Launcher:
         return tiles, self.n_focus
 
 
-def _stack_backward_fused(
-    grad_out: Tensor,
-    x_local: Tensor,
-    z_all: Tensor,
-    u_final: Tensor,
-    alpha: Tensor,
-    u0: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
-    grad_z: Tensor | None,
-    grad_u: Tensor | None,
-    lmax: int,
-    focus_dim: int,
-    apply_alpha: bool,
-    need_weights: bool,
-    precision: StackPrecision,
-) -> StackGrads:
-    """Triton traversal. Inputs contiguous fp32; activations and cotangents focus-major."""
+def _stack_backward_fused(args: StackBwdArgs, precision: StackPrecision) -> StackGrads:
+    """Triton traversal. Inputs contiguous fp32; activations and cotangents focus first."""
+    (grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+     lmax, focus_dim, apply_alpha, need_weights) = args  # fmt: skip
     n_gated, n_focus, n_edge, _ = z_all.shape
     m0, m1, gate_width = block_widths(lmax, focus_dim)
     fast = precision is StackPrecision.FAST
@@ -267,16 +256,16 @@ def _stack_backward_fused(
     gz = torch.empty_like(u_final)
     grad_logit = u_final.new_empty((n_focus, n_edge, gate_width))
     g_next = torch.empty_like(u_final)
-    u_next = u_final
-    for layer in range(n_gated - 1, -1, -1):
+    u_above = u_final
+    for layer in reversed(range(n_gated)):
         recover = need_weights and layer > 0
         u_in = torch.empty_like(u_final) if recover else u0
         wrap_triton(gate_bwd_kernel)[gate_run.grid(gate_width)](
-            z_all, gws[0], gws[1], g, gz, grad_logit, u_next, u_in, n_edge, layer,
+            z_all, gws[0], gws[1], g, gz, grad_logit, u_above, u_in, n_edge, layer,
             RECOVER=recover, **gate_run.meta,
         )  # fmt: skip
         wrap_triton(scalar_bwd_kernel)[gate_run.grid(focus_dim)](
-            grad_logit, gwts[0], gwts[1], z_all, g, gz, u_next, u_in, n_edge, layer,
+            grad_logit, gwts[0], gwts[1], z_all, g, gz, u_above, u_in, n_edge, layer,
             RECOVER=recover, **gate_run.meta,
         )  # fmt: skip
         if grad_z is not None:
@@ -285,8 +274,8 @@ def _stack_backward_fused(
             gw0, gw1 = _block_weight_grads(u_in, gz, m0)
             grads_w0[layer] = gw0
             grads_w1[layer] = gw1
-            grads_gw[layer] = torch.bmm(z_all[layer, :, :, :focus_dim].transpose(1, 2), grad_logit)
-            u_next = u_in
+            grads_gw[layer] = _gate_weight_grad(z_all[layer], grad_logit, focus_dim)
+            u_above = u_in
         for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
             wrap_triton(block_bwd_kernel)[run.grid(width)](
                 gz, wt, wt_lo, g, alpha, g_next, n_edge, layer,
@@ -318,56 +307,48 @@ def _mixing_stack_bwd_op(
     apply_alpha: bool,
     need_weights: bool,
     precision: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> StackGrads:
     tier = StackPrecision.parse(precision)
     if not use_triton(grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all):
         grads = mixing_stack_backward_reference(
-            grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
-            lmax, focus_dim, apply_alpha, need_weights,
+            StackBwdArgs(
+                grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z,
+                grad_u, lmax, focus_dim, apply_alpha, need_weights,
+            )
         )  # fmt: skip
         return tuple(t.contiguous() for t in grads)  # type: ignore[return-value]
     require_fp32(
         "so2_mixing_stack_bwd", grad_out=grad_out, x_local=x_local, z_all=z_all, u_final=u_final,
         alpha=alpha, u0=u0, w0_all=w0_all, w1_all=w1_all, gw_all=gw_all,
     )  # fmt: skip
-    return _stack_backward_fused(
-        grad_out.contiguous(), x_local.contiguous(), z_all.contiguous(), u_final.contiguous(),
-        alpha.contiguous(), u0.contiguous(), w0_all.contiguous(), w1_all.contiguous(),
-        gw_all.contiguous(),
-        None if grad_z is None else grad_z.contiguous(),
-        None if grad_u is None else grad_u.contiguous(),
-        lmax, focus_dim, apply_alpha, need_weights, tier,
+
+    def packed(t: Tensor) -> Tensor:
+        return t.contiguous()
+
+    contiguous = StackBwdArgs(
+        packed(grad_out), packed(x_local), packed(z_all), packed(u_final), packed(alpha),
+        packed(u0), packed(w0_all), packed(w1_all), packed(gw_all),
+        None if grad_z is None else packed(grad_z),
+        None if grad_u is None else packed(grad_u),
+        lmax, focus_dim, apply_alpha, need_weights,
     )  # fmt: skip
+    return _stack_backward_fused(contiguous, tier)
 
 
 @_mixing_stack_bwd_op.register_fake  # type: ignore[untyped-decorator]
-def _mixing_stack_bwd_fake(
-    grad_out: Tensor,
-    x_local: Tensor,
-    z_all: Tensor,
-    u_final: Tensor,
-    alpha: Tensor,
-    u0: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
-    grad_z: Tensor | None,
-    grad_u: Tensor | None,
-    lmax: int,
-    focus_dim: int,
-    apply_alpha: bool,
-    need_weights: bool,
-    precision: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _mixing_stack_bwd_fake(*operands: Any) -> StackGrads:
+    # Same positional operands as the op; the trailing precision string does not shape outputs.
+    args = StackBwdArgs(*operands[: len(StackBwdArgs._fields)])
+
     def weight_grad(w: Tensor) -> Tensor:
-        return w.new_empty(w.shape) if need_weights else w.new_empty(0)
+        return w.new_empty(w.shape) if args.need_weights else w.new_empty(0)
 
     return (
-        u0.new_empty(u0.shape),
-        alpha.new_empty(alpha.shape),
-        weight_grad(w0_all),
-        weight_grad(w1_all),
-        weight_grad(gw_all),
+        args.u0.new_empty(args.u0.shape),
+        args.alpha.new_empty(args.alpha.shape),
+        weight_grad(args.w0_all),
+        weight_grad(args.w1_all),
+        weight_grad(args.gw_all),
     )
 
 

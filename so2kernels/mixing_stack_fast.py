@@ -13,7 +13,14 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from so2kernels.mixing_stack import mixing_stack_reference, so2_mixing_stack
+from so2kernels.mixing_stack import (
+    EdgeFocus,
+    FocusRows,
+    GateBlocks,
+    LayerBlocks,
+    mixing_stack_reference,
+    so2_mixing_stack,
+)
 from so2kernels.mixing_stack_kernels import StackPrecision
 
 __all__ = ["StackError", "measure_stack_error"]
@@ -41,11 +48,11 @@ def _rel(x: Tensor, ref: Tensor) -> float:
 
 
 def measure_stack_error(
-    u0: Tensor,
-    alpha: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
+    u0: FocusRows,
+    alpha: EdgeFocus,
+    w0_all: LayerBlocks,
+    w1_all: LayerBlocks,
+    gw_all: GateBlocks,
     lmax: int,
     focus_dim: int,
     apply_alpha: bool,

@@ -1,11 +1,12 @@
 """Triton kernels shared by ``so2_mixing_stack`` and ``gated_act``, and their launch tiles.
 
 Layout contract (see :mod:`so2kernels.mixing_stack` and :mod:`so2kernels.gated_act`):
-activations are focus-major ``(F, E, ROW)``, stacked per-layer tensors ``(NL, F, E, ROW)``,
-block weights ``(NL, F, K, K)`` in (in, out) storage, gate projections ``(NL, F, Cf, LG)``,
-sigmoid gates and gate-logit gradients ``(F, E, LG)``, alpha ``(E, F)``; the stack result is
-edge-major ``(E, F, ROW)``. Every kernel reads a layer through an integer ``layer`` into the
-stacked tensors (no per-layer views reach Triton). Element offsets are int64.
+activations are laid out focus first as ``(F, E, ROW)``, stacked per-layer tensors
+``(NL, F, E, ROW)``, block weights ``(NL, F, K, K)`` in (in, out) storage, gate projections
+``(NL, F, Cf, LG)``, sigmoid gates and gate-logit gradients ``(F, E, LG)``, alpha ``(E, F)``;
+the stack result is laid out edge first as ``(E, F, ROW)``. Every kernel reads a layer through
+an integer ``layer`` into the stacked tensors (no per-layer views reach Triton). Element offsets
+are int64.
 
 Every kernel is a tiled GEMM ``acc = A @ B`` over one block of the row (the m=0 block, the |m|=1
 block, the gate projection or its transpose) with a fused epilogue. Program grid:
@@ -155,7 +156,7 @@ def weight_operands(w: Tensor, precision: StackPrecision) -> tuple[Tensor, Tenso
 
 @triton.jit
 def _tile_matmul(
-    a_rows,  # (BLOCK_M,) pointers to A[m, 0]; A columns are contiguous
+    a_rows,  # (E_TILE,) pointers to A[m, 0]; A columns are contiguous
     row_mask,
     b_ptr,  # B[0, 0] (fp32, or the fp16 head when FAST); B rows are LDB apart
     b_lo_ptr,  # fp16 tail of B when FAST (scaled by TAIL_SCALE); unused otherwise
@@ -163,49 +164,53 @@ def _tile_matmul(
     n_mask,
     K: tl.constexpr,
     LDB: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     FAST: tl.constexpr,
+    K_STEP: tl.constexpr,
+    E_TILE: tl.constexpr,
+    C_TILE: tl.constexpr,
 ):
-    """``acc (BLOCK_M, BLOCK_N) = A[:, :K] @ B[:K, offs_n]`` in fp32."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    tail = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < K
-        a = tl.load(
-            a_rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        b_off = k.to(tl.int64)[:, None] * LDB + offs_n[None, :]
-        b_mask = k_mask[:, None] & n_mask[None, :]
-        b = tl.load(b_ptr + b_off, mask=b_mask, other=0.0)
+    """fp32 product of the row tile ``A[:, :K]`` with the column tile ``B[:K, offs_n]``."""
+    hi_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
+    lo_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
+    for k_start in range(0, K, K_STEP):
+        kk = k_start + tl.arange(0, K_STEP)
+        k_ok = kk < K
+        a_ok = row_mask[:, None] & k_ok[None, :]
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok, other=0.0)
+        b_idx = offs_n[None, :] + LDB * kk.to(tl.int64)[:, None]
+        b_ok = n_mask[None, :] & k_ok[:, None]
+        b = tl.load(b_ptr + b_idx, mask=b_ok, other=0.0)
         if FAST:
             a_scaled = a * 0.0625
             a_hi = a_scaled.to(tl.float16)
             a_lo = ((a_scaled - a_hi.to(tl.float32)) * 2048.0).to(tl.float16)
-            b_lo = tl.load(b_lo_ptr + b_off, mask=b_mask, other=0.0)
-            acc = tl.dot(a_hi, b, acc)
-            tail = tl.dot(a_hi, b_lo, tail)
-            tail = tl.dot(a_lo, b, tail)
+            b_lo = tl.load(b_lo_ptr + b_idx, mask=b_ok, other=0.0)
+            hi_sum = tl.dot(a_hi, b, hi_sum)
+            lo_sum = tl.dot(a_hi, b_lo, lo_sum)
+            lo_sum = tl.dot(a_lo, b, lo_sum)
         else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            hi_sum = tl.dot(a, b, hi_sum, input_precision="ieee")
     if FAST:
-        acc = (acc + tail * (1.0 / 2048.0)) * 16.0
-    return acc
+        hi_sum = (hi_sum + lo_sum * (1.0 / 2048.0)) * 16.0
+    return hi_sum
 
 
 @triton.jit
-def _tile_coords(n_edge, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_coords(n_edge, N: tl.constexpr, E_TILE: tl.constexpr, C_TILE: tl.constexpr):
     """Edge rows (int64) and output columns of this program, with their masks."""
-    n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rows, rows < n_edge, cols, cols < N, pid_n
+    col_tiles: tl.constexpr = (N - 1) // C_TILE + 1
+    tile = tl.program_id(axis=0)
+    tile_n = tile % col_tiles
+    rows = (tile // col_tiles).to(tl.int64) * E_TILE + tl.arange(0, E_TILE)
+    cols = tile_n * C_TILE + tl.arange(0, C_TILE)
+    return rows, rows < n_edge, cols, cols < N, tile_n
+
+
+@triton.jit
+def _focus_coords():
+    """This program's focus index (int64) and the focus count, both from grid axis 1."""
+    focus = tl.program_id(axis=1)
+    return focus.to(tl.int64), tl.num_programs(axis=1)
 
 
 # Triton: forward
@@ -227,10 +232,10 @@ def block_fwd_kernel(
     M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
-    FAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """One block GEMM of a layer, ``z = u[:, blk] @ W[layer, f]``, with the layer's epilogue.
 
@@ -238,37 +243,36 @@ def block_fwd_kernel(
     applies the gates, ``out = u + z·σ``. Final identity layer (``FINAL``): ``(u + z)·alpha``
     stored edge-major.
     """
-    M0: tl.constexpr = (L + 1) * FD
-    ROW: tl.constexpr = (3 * L + 1) * FD
     GWD: tl.constexpr = L * FD
+    ROW: tl.constexpr = FD + 3 * GWD
+    M0: tl.constexpr = FD + GWD
     WIDTH: tl.constexpr = 2 * GWD if M1_BLOCK else M0
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
-    fid = tl.program_id(1).to(tl.int64)
-    n_focus = tl.num_programs(1)
+    focus, n_focus = _focus_coords()
     rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, WIDTH, BLOCK_M, BLOCK_N)
 
-    u_rows = u_ptr + (fid * n_edge + rows) * ROW + COL0
-    w_off = (layer * n_focus + fid) * WIDTH * WIDTH
+    u_rows = u_ptr + (focus * n_edge + rows) * ROW + COL0
+    w_off = (layer * n_focus + focus) * WIDTH * WIDTH
     acc = _tile_matmul(
         u_rows, row_mask, w_ptr + w_off, w_lo_ptr + w_off, cols, col_mask,
-        WIDTH, WIDTH, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+        WIDTH, WIDTH, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     mask = row_mask[:, None] & col_mask[None, :]
     u_tile = tl.load(u_rows[:, None] + cols[None, :], mask=mask, other=0.0)
     if FINAL:
         result = u_tile + acc
         if APPLY_ALPHA:
-            a = tl.load(alpha_ptr + rows * n_focus + fid, mask=row_mask, other=0.0)
+            a = tl.load(alpha_ptr + rows * n_focus + focus, mask=row_mask, other=0.0)
             result = result * a[:, None]
-        out_rows = out_ptr + (rows * n_focus + fid) * ROW + COL0
+        out_rows = out_ptr + (rows * n_focus + focus) * ROW + COL0
         tl.store(out_rows[:, None] + cols[None, :], result, mask=mask)
     else:
-        z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW + COL0
+        z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW + COL0
         tl.store(z_rows[:, None] + cols[None, :], acc, mask=mask)
-        out_rows = out_ptr + (fid * n_edge + rows) * ROW + COL0
+        out_rows = out_ptr + (focus * n_edge + rows) * ROW + COL0
         if M1_BLOCK:
             gate_cols = cols % GWD
-            sig_rows = sig_ptr + (fid * n_edge + rows) * GWD
+            sig_rows = sig_ptr + (focus * n_edge + rows) * GWD
             gate = tl.load(sig_rows[:, None] + gate_cols[None, :], mask=mask, other=0.0)
             tl.store(out_rows[:, None] + cols[None, :], u_tile + acc * gate, mask=mask)
         else:
@@ -293,10 +297,10 @@ def gate_fwd_kernel(
     HAS_RES: tl.constexpr,
     ALL_ROWS: tl.constexpr,
     STORE_SIG: tl.constexpr,
-    FAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Gates ``σ = sigmoid(z_scalar @ gw)`` and the gated rows ``res + z·σ``.
 
@@ -304,33 +308,33 @@ def gate_fwd_kernel(
     epilogue; the standalone activation (``ALL_ROWS=True``) also writes the |m|=1 rows and the
     SiLU scalar rows (from the programs of the first column tile).
     """
-    ROW: tl.constexpr = (3 * L + 1) * FD
     GWD: tl.constexpr = L * FD
+    ROW: tl.constexpr = FD + 3 * GWD
     FP: tl.constexpr = triton.next_power_of_2(FD)
-    fid = tl.program_id(1).to(tl.int64)
-    n_focus = tl.num_programs(1)
+    focus, n_focus = _focus_coords()
     rows, row_mask, cols, col_mask, pid_n = _tile_coords(n_edge, GWD, BLOCK_M, BLOCK_N)
 
-    z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW
-    g_off = (layer * n_focus + fid) * FD * GWD
+    z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW
+    g_off = (layer * n_focus + focus) * FD * GWD
     logit = _tile_matmul(
         z_rows, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-        FD, GWD, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+        FD, GWD, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     gate = tl.sigmoid(logit)
     mask = row_mask[:, None] & col_mask[None, :]
-    act_rows = (fid * n_edge + rows) * ROW
+    act_rows = (focus * n_edge + rows) * ROW
     if STORE_SIG:
-        sig_rows = sig_ptr + (fid * n_edge + rows) * GWD
+        sig_rows = sig_ptr + (focus * n_edge + rows) * GWD
         tl.store(sig_rows[:, None] + cols[None, :], gate, mask=mask)
     n_gated_rows: tl.constexpr = 3 if ALL_ROWS else 1
     for r in tl.static_range(n_gated_rows):
-        col = FD + r * GWD + cols
-        z_tile = tl.load(z_rows[:, None] + col[None, :], mask=mask, other=0.0)
+        shift = FD + GWD * r
+        z_tile = tl.load(z_rows[:, None] + (cols + shift)[None, :], mask=mask, other=0.0)
         value = z_tile * gate
+        at = act_rows[:, None] + (cols + shift)[None, :]
         if HAS_RES:
-            value += tl.load(res_ptr + act_rows[:, None] + col[None, :], mask=mask, other=0.0)
-        tl.store(out_ptr + act_rows[:, None] + col[None, :], value, mask=mask)
+            value += tl.load(res_ptr + at, mask=mask, other=0.0)
+        tl.store(out_ptr + at, value, mask=mask)
     if ALL_ROWS:  # noqa: SIM102  (constexpr branch around a runtime one)
         if pid_n == 0:
             sc = tl.arange(0, FP)
@@ -360,43 +364,41 @@ def gate_bwd_kernel(
     L: tl.constexpr,
     FD: tl.constexpr,
     RECOVER: tl.constexpr,
-    FAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Gated-row backward: recompute σ, ``gz_r = g_r·σ``, ``q = Σ_r g_r z_r · σ(1-σ)``.
 
     With ``RECOVER`` it also walks the residual back, ``u_prev = u_next - z·σ`` on the gated rows.
     """
-    ROW: tl.constexpr = (3 * L + 1) * FD
     GWD: tl.constexpr = L * FD
-    fid = tl.program_id(1).to(tl.int64)
-    n_focus = tl.num_programs(1)
+    ROW: tl.constexpr = FD + 3 * GWD
+    focus, n_focus = _focus_coords()
     rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, GWD, BLOCK_M, BLOCK_N)
 
-    z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW
-    g_off = (layer * n_focus + fid) * FD * GWD
+    z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW
+    g_off = (layer * n_focus + focus) * FD * GWD
     logit = _tile_matmul(
         z_rows, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-        FD, GWD, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+        FD, GWD, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     gate = tl.sigmoid(logit)
     mask = row_mask[:, None] & col_mask[None, :]
-    act_rows = (fid * n_edge + rows) * ROW
-    dot_gz = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    act_rows = (focus * n_edge + rows) * ROW
+    dot_gz = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for r in tl.static_range(3):
-        col = FD + r * GWD + cols
-        z_tile = tl.load(z_rows[:, None] + col[None, :], mask=mask, other=0.0)
-        g_tile = tl.load(g_ptr + act_rows[:, None] + col[None, :], mask=mask, other=0.0)
-        tl.store(gz_ptr + act_rows[:, None] + col[None, :], g_tile * gate, mask=mask)
+        shift = FD + GWD * r
+        at = act_rows[:, None] + (cols + shift)[None, :]
+        z_tile = tl.load(z_rows[:, None] + (cols + shift)[None, :], mask=mask, other=0.0)
+        g_tile = tl.load(g_ptr + at, mask=mask, other=0.0)
         dot_gz += g_tile * z_tile
+        tl.store(gz_ptr + at, g_tile * gate, mask=mask)
         if RECOVER:
-            u_tile = tl.load(unext_ptr + act_rows[:, None] + col[None, :], mask=mask, other=0.0)
-            tl.store(
-                uprev_ptr + act_rows[:, None] + col[None, :], u_tile - z_tile * gate, mask=mask
-            )
-    q_rows = q_ptr + (fid * n_edge + rows) * GWD
+            u_tile = tl.load(unext_ptr + at, mask=mask, other=0.0)
+            tl.store(uprev_ptr + at, u_tile - z_tile * gate, mask=mask)
+    q_rows = q_ptr + (focus * n_edge + rows) * GWD
     tl.store(q_rows[:, None] + cols[None, :], dot_gz * gate * (1.0 - gate), mask=mask)
 
 
@@ -415,27 +417,26 @@ def scalar_bwd_kernel(
     L: tl.constexpr,
     FD: tl.constexpr,
     RECOVER: tl.constexpr,
-    FAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Scalar-row backward ``gz_s = g_s·silu'(s) + q @ gwᵀ``; ``u_prev = u_next - silu(s)``."""
-    ROW: tl.constexpr = (3 * L + 1) * FD
     GWD: tl.constexpr = L * FD
-    fid = tl.program_id(1).to(tl.int64)
-    n_focus = tl.num_programs(1)
+    ROW: tl.constexpr = FD + 3 * GWD
+    focus, n_focus = _focus_coords()
     rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, FD, BLOCK_M, BLOCK_N)
 
-    q_rows = q_ptr + (fid * n_edge + rows) * GWD
-    g_off = (layer * n_focus + fid) * GWD * FD
+    q_rows = q_ptr + (focus * n_edge + rows) * GWD
+    g_off = (layer * n_focus + focus) * GWD * FD
     acc = _tile_matmul(
         q_rows, row_mask, gwt_ptr + g_off, gwt_lo_ptr + g_off, cols, col_mask,
-        GWD, FD, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+        GWD, FD, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     mask = row_mask[:, None] & col_mask[None, :]
-    z_rows = z_ptr + ((layer * n_focus + fid) * n_edge + rows) * ROW
-    act_rows = (fid * n_edge + rows) * ROW
+    z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW
+    act_rows = (focus * n_edge + rows) * ROW
     s = tl.load(z_rows[:, None] + cols[None, :], mask=mask, other=0.0)
     g_tile = tl.load(g_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0)
     phi = tl.sigmoid(s)
@@ -461,40 +462,39 @@ def block_bwd_kernel(
     M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
-    FAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Residual backward of one block: ``g_in = g_out + gz @ Wᵀ``.
 
     For the final identity layer (``FINAL``) ``gz = g_out = alpha·grad`` is read edge-major and
     alpha is applied after the product: ``g_in = alpha·(grad + grad @ Wᵀ)``.
     """
-    M0: tl.constexpr = (L + 1) * FD
-    ROW: tl.constexpr = (3 * L + 1) * FD
     GWD: tl.constexpr = L * FD
+    ROW: tl.constexpr = FD + 3 * GWD
+    M0: tl.constexpr = FD + GWD
     WIDTH: tl.constexpr = 2 * GWD if M1_BLOCK else M0
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
-    fid = tl.program_id(1).to(tl.int64)
-    n_focus = tl.num_programs(1)
+    focus, n_focus = _focus_coords()
     rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, WIDTH, BLOCK_M, BLOCK_N)
 
     if FINAL:
-        a_rows = a_ptr + (rows * n_focus + fid) * ROW + COL0
+        a_rows = a_ptr + (rows * n_focus + focus) * ROW + COL0
     else:
-        a_rows = a_ptr + (fid * n_edge + rows) * ROW + COL0
-    w_off = (layer * n_focus + fid) * WIDTH * WIDTH
+        a_rows = a_ptr + (focus * n_edge + rows) * ROW + COL0
+    w_off = (layer * n_focus + focus) * WIDTH * WIDTH
     acc = _tile_matmul(
         a_rows, row_mask, wt_ptr + w_off, wt_lo_ptr + w_off, cols, col_mask,
-        WIDTH, WIDTH, BLOCK_M, BLOCK_N, BLOCK_K, FAST,
+        WIDTH, WIDTH, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     mask = row_mask[:, None] & col_mask[None, :]
-    act_rows = (fid * n_edge + rows) * ROW + COL0
+    act_rows = (focus * n_edge + rows) * ROW + COL0
     if FINAL:
         result = tl.load(a_rows[:, None] + cols[None, :], mask=mask, other=0.0) + acc
         if APPLY_ALPHA:
-            a = tl.load(alpha_ptr + rows * n_focus + fid, mask=row_mask, other=0.0)
+            a = tl.load(alpha_ptr + rows * n_focus + focus, mask=row_mask, other=0.0)
             result = result * a[:, None]
     else:
         result = tl.load(res_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0) + acc

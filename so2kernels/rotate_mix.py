@@ -30,8 +30,8 @@ The op is linear in each of ``x``, ``wigner``, ``kc`` and ``cb``; the backward (
 order) lives in :mod:`so2kernels.rotate_mix_backward` and is registered from there.
 """
 
-# Triton kernels grow register tuples by concatenation: its frontend has no starred unpacking.
-# ruff: noqa: RUF005
+# Triton kernels grow register tuples by concatenation (``rows += (tile,)``): its frontend has
+# no starred unpacking.
 
 # Triton kernels take untyped pointer/constexpr arguments and @triton.jit is an untyped decorator.
 # Row tuples grow inside tl.static_range loops (tuple[()] → tuple[Any, ...]).
@@ -39,6 +39,7 @@ order) lives in :mod:`so2kernels.rotate_mix_backward` and is registered from the
 from __future__ import annotations
 
 from functools import cache
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -59,22 +60,36 @@ from so2kernels._layout import (
 )
 from so2kernels.tiles import LaunchTiles, rotate_mix_tiles
 
+
+class RotateMixOperands(NamedTuple):
+    """The operands of ``so2_rotate_mix`` bundled in schema order (see the module docstring)."""
+
+    x: Tensor
+    src: Tensor
+    src_order: Tensor
+    src_rowptr: Tensor
+    wigner: Tensor
+    kc: Tensor
+    cb: Tensor
+    lmax: int
+    n_focus: int
+    rank: int
+
+
 # Input checks (shapes only: no device synchronisation)
 
 
-def check_rotate_mix_inputs(
-    x: Tensor,
-    src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
-    lmax: int,
-    n_focus: int,
-    rank: int,
-) -> None:
-    """Raise ``ValueError`` with the offending operand named when the shapes disagree."""
+def check_rotate_mix_inputs(*operands: Any) -> None:
+    """Raise ``ValueError`` with the offending operand named when the shapes disagree.
+
+    Takes the ten operands of the op positionally, in :class:`RotateMixOperands` order."""
+    _validate_operands(RotateMixOperands(*operands))
+
+
+def _validate_operands(ops: RotateMixOperands) -> None:
+    x, src, wigner, kc, cb = ops.x, ops.src, ops.wigner, ops.kc, ops.cb
+    src_order, src_rowptr = ops.src_order, ops.src_rowptr
+    lmax, n_focus, rank = ops.lmax, ops.n_focus, ops.rank
     op = "so2_rotate_mix"
     if lmax < 0:
         raise ValueError(f"so2kernels.{op}: lmax must be >= 0, got {lmax}")
@@ -127,13 +142,16 @@ def check_rotate_mix_inputs(
 
 
 def check_fused_regime(
-    x: Tensor, wigner: Tensor, kc: Tensor, cb: Tensor, lmax: int, n_focus: int, rank: int
+    x: Tensor, wigner: Tensor, kernel: Tensor, basis: Tensor, lmax: int, n_focus: int, rank: int
 ) -> None:
-    """What the Triton path covers: fp32, lmax 1..6, Cf in {32, 64, 96, 128}."""
-    check_regime("so2_rotate_mix", lmax, x.shape[2] // n_focus)
-    require_fp32("so2_rotate_mix", x=x, wigner=wigner, kc=kc)
-    if rank > 0:
-        require_fp32("so2_rotate_mix", cb=cb)
+    """What the Triton path covers: fp32, lmax 1..6, Cf in {32, 64, 96, 128}.
+
+    ``kernel``/``basis`` are the op's ``kc``/``cb`` (named so in the errors)."""
+    name = "so2_rotate_mix"
+    check_regime(name, lmax, x.shape[2] // n_focus)
+    require_fp32(name, x=x, wigner=wigner, kc=kernel)
+    if rank != 0:
+        require_fp32(name, cb=basis)
 
 
 # Eager reference (any dtype; differentiable by autograd to any order)
@@ -157,9 +175,11 @@ def structure_mask(lmax: int, device: torch.device, dtype: torch.dtype) -> Tenso
 
 def wigner_reduced_rows(wigner: Tensor, lmax: int) -> Tensor:
     """(E, Dw, Dw) -> (E, 3L+1, D): the rows the rotation reads, off-block entries zeroed."""
-    dim = n_coeff(lmax)
-    rows = wigner[:, :dim, :dim].index_select(1, reduced_to_packed_tensor(lmax, wigner.device))
-    return rows * structure_mask(lmax, wigner.device, wigner.dtype)
+    packed_rows = reduced_to_packed_tensor(lmax, wigner.device)
+    leading = wigner.narrow(2, 0, n_coeff(lmax))
+    return torch.index_select(leading, 1, packed_rows) * structure_mask(
+        lmax, wigner.device, wigner.dtype
+    )
 
 
 def degree_index(lmax: int, device: torch.device) -> Tensor:
@@ -194,57 +214,45 @@ def fold_mixing_blocks(blocks: Tensor, lmax: int) -> Tensor:
 
 def to_focus_major(y: Tensor, n_focus: int) -> Tensor:
     """(E, 3L+1, C_wide) -> (F, E, ROW) with ``ROW = (3L+1)·Cf``, contiguous."""
-    n_edge, red, c_wide = y.shape
-    focus_dim = c_wide // n_focus
-    return (
-        y.reshape(n_edge, red, n_focus, focus_dim)
-        .permute(2, 0, 1, 3)
-        .reshape(n_focus, n_edge, red * focus_dim)
-    )
+    # (E, RED, F, Cf) with the focus axis moved to the front, then each edge row flattened.
+    return y.reshape(*y.shape[:2], n_focus, y.shape[2] // n_focus).movedim(2, 0).flatten(2)
 
 
 def from_focus_major(u: Tensor, red: int) -> Tensor:
     """(F, E, ROW) -> (E, 3L+1, C_wide), the inverse of :func:`to_focus_major`."""
-    n_focus, n_edge, row = u.shape
-    focus_dim = row // red
-    return (
-        u.reshape(n_focus, n_edge, red, focus_dim)
-        .permute(1, 2, 0, 3)
-        .reshape(n_edge, red, n_focus * focus_dim)
-    )
+    # (F, E, RED, Cf) with the focus axis moved next to the channels, then merged into them.
+    return u.reshape(*u.shape[:2], red, u.shape[2] // red).movedim(0, 2).flatten(2)
 
 
 def rotate_to_local_reference(x: Tensor, src: Tensor, wigner: Tensor, lmax: int) -> Tensor:
     """(E, 3L+1, C_wide) rotated reduced rows ``xr``."""
-    return torch.bmm(wigner_reduced_rows(wigner, lmax), x.index_select(0, src))
+    gathered = x.index_select(0, src)
+    return torch.bmm(wigner_reduced_rows(wigner, lmax), gathered)
 
 
-def mix_degrees_reference(xr: Tensor, kc: Tensor, cb: Tensor, lmax: int, rank: int) -> Tensor:
-    """(E, 3L+1, C_wide) radial degree mixing of the rotated rows."""
-    if rank == 0:
-        return xr * kc.index_select(1, degree_index(lmax, xr.device))
-    return torch.einsum("eior,eic,rc->eoc", mixing_blocks(kc, lmax, rank), xr, cb)
-
-
-def rotate_mix_reference(
-    x: Tensor,
-    src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
-    lmax: int,
-    n_focus: int,
-    rank: int,
+def mix_degrees_reference(
+    xr: Tensor, kernel: Tensor, basis: Tensor, lmax: int, rank: int
 ) -> Tensor:
+    """(E, 3L+1, C_wide) radial degree mixing of the rotated rows (``kernel``/``basis`` are the
+    op's ``kc``/``cb``)."""
+    if rank > 0:
+        # [edge, in-row, out-row, basis] kernel, rotated rows, basis rows -> mixed out-rows.
+        return torch.einsum("abkq,abc,qc->akc", mixing_blocks(kernel, lmax, rank), xr, basis)
+    per_row = kernel.index_select(1, degree_index(lmax, xr.device))
+    return xr * per_row
+
+
+def rotate_mix_reference(*operands: Any) -> Tensor:
     """Ground truth of ``so2_rotate_mix``: (F, E, ROW). Any dtype; plain autograd to any order.
 
-    ``src_order``/``src_rowptr`` are accepted for operand parity with the op and not read.
+    Same positional operands as the op (:class:`RotateMixOperands`); the CSR pair
+    ``src_order``/``src_rowptr`` is only shape-checked, never read.
     """
-    check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
-    xr = rotate_to_local_reference(x, src, wigner, lmax)
-    return to_focus_major(mix_degrees_reference(xr, kc, cb, lmax, rank), n_focus)
+    ops = RotateMixOperands(*operands)
+    _validate_operands(ops)
+    rotated = rotate_to_local_reference(ops.x, ops.src, ops.wigner, ops.lmax)
+    mixed = mix_degrees_reference(rotated, ops.kc, ops.cb, ops.lmax, ops.rank)
+    return to_focus_major(mixed, ops.n_focus)
 
 
 # Triton building blocks shared by the forward and backward kernels.
@@ -255,146 +263,158 @@ def rotate_mix_reference(
 
 
 @triton.jit
+def _zero_tile(BLOCK_E: tl.constexpr, WP: tl.constexpr):
+    """A fresh fp32 accumulator tile."""
+    return tl.full((BLOCK_E, WP), 0.0, tl.float32)
+
+
+@triton.jit
 def _rotate_to_local(
-    x_tile,  # pointers to x[s, 0, c]: (BLOCK_E, WP), or (1, WP) when all edges share one node
-    x_mask,  # mask of the same shape as x_tile
-    w_edge,  # (BLOCK_E,) pointers to wigner[e, 0, 0]
-    edge_live,  # (BLOCK_E,)
+    feat,  # pointers to x[s, 0, c]: (BLOCK_E, WP), or (1, WP) when all edges share one node
+    feat_mask,  # mask of the same shape as feat
+    rot_base,  # (BLOCK_E,) pointers to wigner[e, 0, 0]
+    live,  # (BLOCK_E,)
     L: tl.constexpr,
     BLOCK_E: tl.constexpr,
     WP: tl.constexpr,
-    X_SD: tl.constexpr,  # stride between packed rows of x (channels are unit-stride)
-    W_SR: tl.constexpr,  # row stride of the Wigner block (columns are unit-stride)
+    FEAT_ROW: tl.constexpr,  # stride between packed rows of x (channels are unit-stride)
+    ROT_ROW: tl.constexpr,  # row stride of the Wigner block (columns are unit-stride)
 ):
     """The 3L+1 reduced rows of the rotated features, m-major, each a (BLOCK_E, WP) tile.
 
     Reads only the three rows m' = -1, 0, +1 of each degree block and only that block's columns.
     """
-    rows_m0 = ()
-    rows_neg = ()
-    rows_pos = ()
-    for l in tl.static_range(L + 1):
-        centre = l * l + l
-        acc_m0 = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-        acc_neg = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-        acc_pos = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-        for j in tl.static_range(2 * l + 1):
-            xv = tl.load(x_tile + (l * l + j) * X_SD, mask=x_mask, other=0.0)
-            w_col = w_edge + (l * l + j)
-            acc_m0 += tl.load(w_col + centre * W_SR, mask=edge_live, other=0.0)[:, None] * xv
-            if l > 0:
-                w_neg = tl.load(w_col + (centre - 1) * W_SR, mask=edge_live, other=0.0)
-                w_pos = tl.load(w_col + (centre + 1) * W_SR, mask=edge_live, other=0.0)
-                acc_neg += w_neg[:, None] * xv
-                acc_pos += w_pos[:, None] * xv
-        rows_m0 = rows_m0 + (acc_m0,)
-        if l > 0:
-            rows_neg = rows_neg + (acc_neg,)
-            rows_pos = rows_pos + (acc_pos,)
-    return rows_m0 + rows_neg + rows_pos
+    zero_m = ()
+    minus_m = ()
+    plus_m = ()
+    for deg in tl.static_range(0, L + 1):
+        mid = (deg * deg + deg) * ROT_ROW  # the m' = 0 row of this degree block
+        sum_zero = _zero_tile(BLOCK_E, WP)
+        sum_minus = _zero_tile(BLOCK_E, WP)
+        sum_plus = _zero_tile(BLOCK_E, WP)
+        for col in tl.static_range(deg * deg, (deg + 1) * (deg + 1)):
+            f = tl.load(feat + col * FEAT_ROW, mask=feat_mask, other=0.0)
+            rot_col = rot_base + col
+            sum_zero += tl.load(rot_col + mid, mask=live, other=0.0)[:, None] * f
+            if deg >= 1:
+                d_minus = tl.load(rot_col + (mid - ROT_ROW), mask=live, other=0.0)
+                d_plus = tl.load(rot_col + (mid + ROT_ROW), mask=live, other=0.0)
+                sum_minus += d_minus[:, None] * f
+                sum_plus += d_plus[:, None] * f
+        zero_m += (sum_zero,)
+        if deg >= 1:
+            minus_m += (sum_minus,)
+            plus_m += (sum_plus,)
+    return zero_m + minus_m + plus_m
 
 
 @triton.jit
-def _radial_row(kc_edge, cvec, tile_mask, degree: tl.constexpr, WD: tl.constexpr):
+def _radial_row(kc_base, lanes, mask2d, degree: tl.constexpr, WD: tl.constexpr):
     """Rank-0 multiplier row ``kc[e, degree, :]`` as a tile (kc contiguous (E, L+1, WD))."""
-    return tl.load(kc_edge[:, None] + degree * WD + cvec[None, :], mask=tile_mask, other=0.0)
+    offs = lanes[None, :] + degree * WD
+    return tl.load(kc_base[:, None] + offs, mask=mask2d, other=0.0)
 
 
 @triton.jit
-def _kernel_entry(kc_edge, edge_live, slot: tl.constexpr, r: tl.constexpr, RANK: tl.constexpr):
+def _kernel_entry(kc_base, live, slot: tl.constexpr, r: tl.constexpr, RANK: tl.constexpr):
     """Compact kernel scalar ``kc[e, slot·R + r]`` per edge, as a (BLOCK_E, 1) column."""
-    return tl.load(kc_edge + (slot * RANK + r), mask=edge_live, other=0.0)[:, None]
+    col = tl.load(kc_base + (r + RANK * slot), mask=live, other=0.0)
+    return col[:, None]
 
 
 @triton.jit
-def _load_basis(cb_ptr, cvec, c_mask, RANK: tl.constexpr, WD: tl.constexpr):
+def _load_basis(basis_ptr, lanes, lane_mask, RANK: tl.constexpr, WD: tl.constexpr):
     """The R channel-basis rows (cb contiguous (R, WD)), each (1, WP)."""
-    basis = ()
-    for r in tl.static_range(RANK):
-        row = tl.load(cb_ptr + r * WD + cvec, mask=c_mask, other=0.0)
-        basis = basis + (row[None, :],)
-    return basis
+    rows = ()
+    for q in tl.static_range(0, RANK):
+        vals = tl.load(basis_ptr + (lanes + q * WD), mask=lane_mask, other=0.0)
+        rows += (vals[None, :],)
+    return rows
 
 
 @triton.jit
-def _mix_by_degree(xr, kc_edge, cvec, tile_mask, L: tl.constexpr, WD: tl.constexpr):
+def _mix_by_degree(xr, kc_base, lanes, mask2d, L: tl.constexpr, WD: tl.constexpr):
     """Rank 0: each reduced row times the radial row of its degree."""
-    out_m0 = ()
-    out_neg = ()
-    out_pos = ()
-    for l in tl.static_range(L + 1):
-        rad = _radial_row(kc_edge, cvec, tile_mask, l, WD)
-        out_m0 = out_m0 + (xr[l] * rad,)
-        if l > 0:
-            out_neg = out_neg + (xr[L + l] * rad,)
-            out_pos = out_pos + (xr[2 * L + l] * rad,)
-    return out_m0 + out_neg + out_pos
+    # Degree 0 has only its m = 0 row; the |m| = 1 rows of degree d sit at L + d and 2L + d.
+    first = xr[0] * _radial_row(kc_base, lanes, mask2d, 0, WD)
+    zero_m = (first,)
+    minus_m = ()
+    plus_m = ()
+    for deg in tl.static_range(1, L + 1):
+        mult = _radial_row(kc_base, lanes, mask2d, deg, WD)
+        zero_m += (xr[deg] * mult,)
+        minus_m += (xr[deg + L] * mult,)
+        plus_m += (xr[deg + 2 * L] * mult,)
+    return zero_m + minus_m + plus_m
 
 
 @triton.jit
 def _mix_low_rank(
-    xr, kc_edge, edge_live, basis, L: tl.constexpr, RANK: tl.constexpr,
+    xr, kc_base, live, basis, L: tl.constexpr, RANK: tl.constexpr,
     BLOCK_E: tl.constexpr, WP: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):  # fmt: skip
     """Rank R ≥ 1: ``y[o] = Σ_r cb[r] ⊙ Σ_i kc[slot(i, o), r] · xr[i]`` (per m-block).
 
     ``TRANSPOSE`` applies the adjoint, ``Σ_i kc[slot(o, i), r]``: the backward's local gradient.
     """
-    n_m0: tl.constexpr = L + 1
-    out_m0 = ()
-    for o in tl.static_range(n_m0):
-        acc = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-        for r in tl.static_range(RANK):
-            part = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-            for i in tl.static_range(n_m0):
-                slot = o * n_m0 + i if TRANSPOSE else i * n_m0 + o
-                part += _kernel_entry(kc_edge, edge_live, slot, r, RANK) * xr[i]
-            acc += part * basis[r]
-        out_m0 = out_m0 + (acc,)
-    out_neg = ()
-    out_pos = ()
-    for o in tl.static_range(L):
-        acc_neg = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-        acc_pos = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-        for r in tl.static_range(RANK):
-            part_neg = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-            part_pos = tl.zeros((BLOCK_E, WP), dtype=tl.float32)
-            for i in tl.static_range(L):
-                slot = n_m0 * n_m0 + (o * L + i if TRANSPOSE else i * L + o)
-                k = _kernel_entry(kc_edge, edge_live, slot, r, RANK)
-                part_neg += k * xr[n_m0 + i]
-                part_pos += k * xr[n_m0 + L + i]
-            acc_neg += part_neg * basis[r]
-            acc_pos += part_pos * basis[r]
-        out_neg = out_neg + (acc_neg,)
-        out_pos = out_pos + (acc_pos,)
-    return out_m0 + out_neg + out_pos
+    NZ: tl.constexpr = L + 1  # rows (and kernel side) of the m = 0 block
+    SHARED: tl.constexpr = NZ * NZ  # first slot of the shared |m| = 1 kernel
+    # m = 0 block: out-row `dst` of degree dst, in-rows 0..L.
+    zero_m = ()
+    for dst in tl.static_range(0, NZ):
+        total = _zero_tile(BLOCK_E, WP)
+        for q in tl.static_range(0, RANK):
+            inner = _zero_tile(BLOCK_E, WP)
+            for srow in tl.static_range(0, NZ):
+                idx = dst * NZ + srow if TRANSPOSE else srow * NZ + dst
+                inner += _kernel_entry(kc_base, live, idx, q, RANK) * xr[srow]
+            total += inner * basis[q]
+        zero_m += (total,)
+    # |m| = 1 blocks: one L × L kernel shared by the m = -1 rows (NZ..) and m = +1 rows (NZ+L..).
+    minus_m = ()
+    plus_m = ()
+    for dst in tl.static_range(0, L):
+        total_minus = _zero_tile(BLOCK_E, WP)
+        total_plus = _zero_tile(BLOCK_E, WP)
+        for q in tl.static_range(0, RANK):
+            inner_minus = _zero_tile(BLOCK_E, WP)
+            inner_plus = _zero_tile(BLOCK_E, WP)
+            for srow in tl.static_range(0, L):
+                idx = SHARED + dst * L + srow if TRANSPOSE else SHARED + srow * L + dst
+                coef = _kernel_entry(kc_base, live, idx, q, RANK)
+                inner_minus += coef * xr[NZ + srow]
+                inner_plus += coef * xr[NZ + L + srow]
+            total_minus += inner_minus * basis[q]
+            total_plus += inner_plus * basis[q]
+        minus_m += (total_minus,)
+        plus_m += (total_plus,)
+    return zero_m + minus_m + plus_m
 
 
 @triton.jit
 def _kernel_edge_stride(L: tl.constexpr, WD: tl.constexpr, RANK: tl.constexpr):
     """Per-edge length of contiguous ``kc``: (L+1)·WD for rank 0, K·R otherwise."""
-    if RANK == 0:
-        return (L + 1) * WD
+    if RANK > 0:
+        return (2 * L * L + 2 * L + 1) * RANK
     else:
-        return ((L + 1) * (L + 1) + L * L) * RANK
+        return WD * (L + 1)
 
 
 @triton.jit
 def _gather_edge_tile(
-    x_ptr, src_ptr, first, n_edge, x_sn,
+    feat_ptr, index_ptr, start, n_items, node_stride,
     BLOCK_E: tl.constexpr, WP: tl.constexpr, WD: tl.constexpr,
 ):  # fmt: skip
-    """Edges ``first .. first+BLOCK_E`` with their liveness, the channel vector and mask, the
+    """Edges ``start .. start+BLOCK_E`` with their liveness, the channel vector and mask, the
     (edge, channel) mask and the pointer tile of each edge's source row of ``x``."""
-    edges = first + tl.arange(0, BLOCK_E)
-    edge_live = edges < n_edge
-    cvec = tl.arange(0, WP)
-    c_mask = cvec < WD
-    tile_mask = edge_live[:, None] & c_mask[None, :]
-    src = tl.load(src_ptr + edges, mask=edge_live, other=0).to(tl.int64)
-    x_tile = x_ptr + (src * x_sn)[:, None] + cvec[None, :]
-    return edges, edge_live, cvec, c_mask, tile_mask, x_tile
+    ids = tl.arange(0, BLOCK_E) + start
+    live = ids < n_items
+    lanes = tl.arange(0, WP)
+    lane_mask = lanes < WD
+    mask2d = live[:, None] & lane_mask[None, :]
+    node = tl.load(index_ptr + ids, mask=live, other=0).to(tl.int64)
+    feat = feat_ptr + lanes[None, :] + (node * node_stride)[:, None]
+    return ids, live, lanes, lane_mask, mask2d, feat
 
 
 # Forward kernel: one program per BLOCK_E consecutive edges, all channels.
@@ -402,37 +422,42 @@ def _gather_edge_tile(
 
 @triton.jit
 def _rotate_mix_fwd_kernel(
-    x_ptr, src_ptr, w_ptr, kc_ptr, cb_ptr, u_ptr,
-    n_edge, x_sn, w_se,
+    feat_ptr, index_ptr, rot_ptr, coef_ptr, basis_ptr, out_ptr,
+    n_items, node_stride, rot_edge_stride,
     L: tl.constexpr, FD: tl.constexpr, WD: tl.constexpr, WP: tl.constexpr,
-    RANK: tl.constexpr, BLOCK_E: tl.constexpr, W_SR: tl.constexpr,
+    RANK: tl.constexpr, BLOCK_E: tl.constexpr, ROT_ROW: tl.constexpr,
 ):  # fmt: skip
-    ROW: tl.constexpr = (3 * L + 1) * FD
-    edges, edge_live, cvec, c_mask, tile_mask, x_tile = _gather_edge_tile(
-        x_ptr, src_ptr, tl.program_id(0).to(tl.int64) * BLOCK_E, n_edge, x_sn, BLOCK_E, WP, WD
+    N_ROWS: tl.constexpr = 3 * L + 1
+    EDGE_LEN: tl.constexpr = N_ROWS * FD  # one edge's slice of one focus group in the output
+    block_start = tl.cast(tl.program_id(0), tl.int64) * BLOCK_E
+    ids, live, lanes, lane_mask, mask2d, feat = _gather_edge_tile(
+        feat_ptr, index_ptr, block_start, n_items, node_stride, BLOCK_E, WP, WD
     )
-    xr = _rotate_to_local(x_tile, tile_mask, w_ptr + edges * w_se, edge_live,
-                          L, BLOCK_E, WP, WD, W_SR)  # fmt: skip
+    rot_base = rot_ptr + ids * rot_edge_stride
+    xr = _rotate_to_local(feat, mask2d, rot_base, live, L, BLOCK_E, WP, WD, ROT_ROW)
 
-    kc_edge = kc_ptr + edges * _kernel_edge_stride(L, WD, RANK)
-    if RANK == 0:
-        y = _mix_by_degree(xr, kc_edge, cvec, tile_mask, L, WD)
+    kc_base = coef_ptr + ids * _kernel_edge_stride(L, WD, RANK)
+    if RANK > 0:
+        basis = _load_basis(basis_ptr, lanes, lane_mask, RANK, WD)
+        mixed = _mix_low_rank(xr, kc_base, live, basis, L, RANK, BLOCK_E, WP, False)
     else:
-        basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
-        y = _mix_low_rank(xr, kc_edge, edge_live, basis, L, RANK, BLOCK_E, WP, False)
+        mixed = _mix_by_degree(xr, kc_base, lanes, mask2d, L, WD)
 
-    # Focus-major store: wide channel c = f·FD + cf lands in u[f, e, r·FD + cf].
-    focus_offset = (cvec // FD).to(tl.int64) * n_edge * ROW + cvec % FD
-    u_tile = u_ptr + focus_offset[None, :] + (edges * ROW)[:, None]
-    for r in tl.static_range(3 * L + 1):
-        tl.store(u_tile + r * FD, y[r], mask=tile_mask)
+    # Wide lane c belongs to focus group g = c // FD at position c % FD of every reduced row;
+    # the output is (F, E, EDGE_LEN), so row k of edge e and lane c goes to
+    # out[g, e, k·FD + c % FD].
+    group = (lanes // FD).to(tl.int64)
+    lane_off = group * (n_items * EDGE_LEN) + lanes % FD
+    dest = out_ptr + (ids * EDGE_LEN)[:, None] + lane_off[None, :]
+    for k in tl.static_range(0, N_ROWS):
+        tl.store(dest + k * FD, mixed[k], mask=mask2d)
 
 
 # Launcher
 
 
 def kernel_operands(
-    x: Tensor, wigner: Tensor, kc: Tensor, cb: Tensor
+    feats: Tensor, rot: Tensor, kernel: Tensor, basis: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Layouts the kernels address with compile-time inner strides.
 
@@ -440,38 +465,35 @@ def kernel_operands(
     fine); ``wigner``: unit column stride (any row/edge stride, e.g. the leading block of a
     wider cache); ``kc``, ``cb``: contiguous. Anything else is copied once here.
     """
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        x = x.contiguous()
-    if wigner.stride(2) != 1:
-        wigner = wigner.contiguous()
-    return x, wigner, kc.contiguous(), cb.contiguous()
+    if not (feats.stride(2) == 1 and feats.stride(1) == feats.shape[2]):
+        feats = feats.contiguous()
+    if rot.stride(2) != 1:
+        rot = rot.contiguous()
+    return feats, rot, kernel.contiguous(), basis.contiguous()
 
 
 def launch_rotate_mix_fwd(
-    x: Tensor,
-    src: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
-    lmax: int,
-    n_focus: int,
-    rank: int,
-    tiles: LaunchTiles,
-) -> Tensor:
-    """Run the forward kernel with explicit tiles (the op picks them from the table)."""
-    n_edge, c_wide = src.shape[0], x.shape[2]
-    focus_dim = c_wide // n_focus
-    u = torch.empty((n_focus, n_edge, n_reduced(lmax) * focus_dim), device=x.device, dtype=x.dtype)
-    if n_edge == 0:
-        return u
-    x, wigner, kc, cb = kernel_operands(x, wigner, kc, cb)
-    grid = (triton.cdiv(n_edge, tiles.block_e),)
-    wrap_triton(_rotate_mix_fwd_kernel)[grid](
-        x, src, wigner, kc, cb, u,
-        n_edge, x.stride(0), wigner.stride(0),
-        L=lmax, FD=focus_dim, WD=c_wide, WP=triton.next_power_of_2(c_wide),
-        RANK=rank, BLOCK_E=tiles.block_e, W_SR=wigner.stride(1), num_warps=tiles.num_warps,
-    )  # fmt: skip
+    x: Tensor, src: Tensor, wigner: Tensor, kernel: Tensor, basis: Tensor,
+    lmax: int, n_focus: int, rank: int, tiles: LaunchTiles,
+) -> Tensor:  # fmt: skip
+    """Run the forward kernel with explicit tiles (the op picks them from the table).
+
+    ``kernel``/``basis`` are the op's ``kc``/``cb`` operands.
+    """
+    n_edge = src.shape[0]
+    focus_dim = x.shape[2] // n_focus
+    c_wide = focus_dim * n_focus
+    out_shape = (n_focus, n_edge, focus_dim * n_reduced(lmax))
+    u = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    if n_edge > 0:
+        feats, rot, coef, chan = kernel_operands(x, wigner, kernel, basis)
+        n_programs = triton.cdiv(n_edge, tiles.block_e)
+        wrap_triton(_rotate_mix_fwd_kernel)[(n_programs,)](
+            feats, src, rot, coef, chan, u,
+            n_edge, feats.stride(0), rot.stride(0),
+            L=lmax, FD=focus_dim, WD=c_wide, WP=triton.next_power_of_2(c_wide), RANK=rank,
+            BLOCK_E=tiles.block_e, ROT_ROW=rot.stride(1), num_warps=tiles.num_warps,
+        )  # fmt: skip
     return u
 
 
@@ -491,32 +513,26 @@ def _rotate_mix_op(
     n_focus: int,
     rank: int,
 ) -> Tensor:
-    check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
-    if not use_triton(x, src, wigner, kc, cb):
-        return rotate_mix_reference(
-            x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank
+    ops = RotateMixOperands(
+        x=x, src=src, src_order=src_order, src_rowptr=src_rowptr, wigner=wigner,
+        kc=kc, cb=cb, lmax=lmax, n_focus=n_focus, rank=rank,
+    )  # fmt: skip
+    _validate_operands(ops)
+    if use_triton(x, src, wigner, kc, cb):
+        check_fused_regime(x, wigner, kc, cb, lmax, n_focus, rank)
+        tiles = rotate_mix_tiles("fwd", x.shape[2], lmax, rank, x.device)
+        return launch_rotate_mix_fwd(
+            ops.x, ops.src, ops.wigner, ops.kc, ops.cb, lmax, n_focus, rank, tiles
         )
-    check_fused_regime(x, wigner, kc, cb, lmax, n_focus, rank)
-    tiles = rotate_mix_tiles("fwd", x.shape[2], lmax, rank, x.device)
-    return launch_rotate_mix_fwd(x, src, wigner, kc, cb, lmax, n_focus, rank, tiles)
+    return rotate_mix_reference(*ops)
 
 
 @_rotate_mix_op.register_fake
-def _rotate_mix_fake(
-    x: Tensor,
-    src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
-    lmax: int,
-    n_focus: int,
-    rank: int,
-) -> Tensor:
-    check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
-    focus_dim = x.shape[2] // n_focus
-    return x.new_empty((n_focus, src.shape[0], n_reduced(lmax) * focus_dim))
+def _rotate_mix_fake(*operands: Any) -> Tensor:
+    ops = RotateMixOperands(*operands)
+    _validate_operands(ops)
+    row = n_reduced(ops.lmax) * (ops.x.shape[2] // ops.n_focus)
+    return ops.x.new_empty((ops.n_focus, ops.src.shape[0], row))
 
 
 def rotate_mix(

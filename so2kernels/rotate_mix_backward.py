@@ -1,8 +1,8 @@
 """Backward (first and second order) of ``so2_rotate_mix``.
 
 Layout contract.
-``so2kernels::so2_rotate_mix_bwd(grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax,
-n_focus, rank, want_cb) -> (grad_x, grad_wigner, grad_kc, grad_cb)``:
+``so2kernels::so2_rotate_mix_bwd`` takes ``grad_u``, then the ten operands of ``so2_rotate_mix``
+in their order, then ``want_cb``, and returns ``(grad_x, grad_wigner, grad_kc, grad_cb)``:
 
 * ``grad_u`` (F, E, ROW), any strides (an expanded ``sum()`` cotangent is read in place).
 * ``grad_x`` (N, D, C_wide): per-edge node gradients reduced over the source CSR
@@ -83,49 +83,40 @@ from so2kernels.tiles import LaunchTiles, csr_chunk, rotate_mix_tiles
 
 
 def rotate_mix_backward_reference(
-    grad_u: Tensor,
-    x: Tensor,
-    src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
-    lmax: int,
-    n_focus: int,
-    rank: int,
-    want_cb: bool = True,
+    grad_u: Tensor, *operands: Any, want_cb: bool = True
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(grad_x, grad_wigner, grad_kc, grad_cb)`` of ``<grad_u, rotate_mix(...)>``, closed form."""
-    check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
-    dim, red = n_coeff(lmax), n_reduced(lmax)
-    rows = wigner_reduced_rows(wigner, lmax)  # (E, RED, D)
-    x_src = x.index_select(0, src)  # (E, D, WD)
-    xr = torch.bmm(rows, x_src)  # (E, RED, WD)
-    grad_y = from_focus_major(grad_u, red)  # (E, RED, WD)
-    if rank == 0:
-        degrees = degree_index(lmax, x.device)
-        grad_local = grad_y * kc.index_select(1, degrees)
-        grad_kc = torch.zeros_like(kc).index_add(1, degrees, grad_y * xr)
+    """``(grad_x, grad_wigner, grad_kc, grad_cb)`` of ``<grad_u, rotate_mix(*operands)>`` in
+    closed form; ``operands`` are the ten forward operands in the op's order."""
+    check_rotate_mix_inputs(*operands)
+    feats, src, order, rowptr, rot, kern, basis, lmax, _, rank = operands
+    rows = wigner_reduced_rows(rot, lmax)  # (E, RED, D)
+    gathered = feats.index_select(0, src)  # (E, D, WD)
+    local = torch.bmm(rows, gathered)  # (E, RED, WD)
+    g_mixed = from_focus_major(grad_u, n_reduced(lmax))  # (E, RED, WD)
+    if rank > 0:
+        blocks = mixing_blocks(kern, lmax, rank)  # (E, RED, RED, R)
+        # Letters: n edge, a input row, b output row, k rank, w channel.
+        g_local = torch.einsum("nabk,nbw,kw->naw", blocks, g_mixed, basis)
+        g_blocks = torch.einsum("nbw,naw,kw->nabk", g_mixed, local, basis)
+        grad_kc = fold_mixing_blocks(g_blocks, lmax).reshape(kern.shape)
     else:
-        blocks = mixing_blocks(kc, lmax, rank)  # (E, RED, RED, R)
-        grad_local = torch.einsum("eior,eoc,rc->eic", blocks, grad_y, cb)
-        grad_blocks = torch.einsum("eoc,eic,rc->eior", grad_y, xr, cb)
-        grad_kc = fold_mixing_blocks(grad_blocks, lmax).reshape(kc.shape)
-    grad_cb = (
-        torch.einsum("eior,eic,eoc->rc", mixing_blocks(kc, lmax, rank), xr, grad_y)
-        if want_cb and rank > 0
-        else cb.new_zeros((0,))
-    )
-    mask = structure_mask(lmax, wigner.device, wigner.dtype)
-    grad_rows = torch.bmm(grad_local, x_src.transpose(1, 2)) * mask  # (E, RED, D)
-    packed = reduced_to_packed_tensor(lmax, wigner.device)
-    grad_block = grad_rows.new_zeros((src.shape[0], dim, dim)).index_copy(1, packed, grad_rows)
-    grad_wigner = torch.zeros_like(wigner, memory_format=torch.contiguous_format)
-    grad_wigner[:, :dim, :dim] = grad_block
-    grad_x_edge = torch.bmm(rows.transpose(1, 2), grad_local)  # (E, D, WD)
-    grad_x = segment_sum_reference(grad_x_edge, src_order, src_rowptr)
-    return grad_x, grad_wigner, grad_kc, grad_cb
+        by_degree = degree_index(lmax, feats.device)
+        g_local = g_mixed * kern.index_select(1, by_degree)
+        grad_kc = torch.zeros_like(kern).index_add(1, by_degree, g_mixed * local)
+    if want_cb and rank > 0:
+        grad_cb = torch.einsum("nabk,naw,nbw->kw", blocks, local, g_mixed)
+    else:
+        grad_cb = basis.new_zeros((0,))
+    # Wigner: only the structural entries of the reduced rows, scattered back to packed rows.
+    g_rows = torch.bmm(g_local, gathered.transpose(1, 2))
+    g_rows = g_rows * structure_mask(lmax, rot.device, rot.dtype)  # (E, RED, D)
+    n_packed = n_coeff(lmax)
+    scattered = g_rows.new_zeros((src.shape[0], n_packed, n_packed))
+    scattered = scattered.index_copy(1, reduced_to_packed_tensor(lmax, rot.device), g_rows)
+    grad_wigner = torch.zeros_like(rot, memory_format=torch.contiguous_format)
+    grad_wigner[:, :n_packed, :n_packed] = scattered
+    per_edge = torch.bmm(rows.mT, g_local)  # per-edge node gradient (E, D, WD)
+    return segment_sum_reference(per_edge, order, rowptr), grad_wigner, grad_kc, grad_cb
 
 
 # Triton kernels. Every schedule runs the same per-edge-block body (`_local_gradient`, then
@@ -156,31 +147,37 @@ def _accumulate_basis_grad(cb_acc, t, kc_edge, edge_live, slot: tl.constexpr, RA
 
 
 @triton.jit
+def _project_slot(gkc_edge, slot: tl.constexpr, t, basis, edge_live, RANK: tl.constexpr):
+    """``grad kc[e, slot·R + k] = Σ_c cb[k, c]·t[e, c]`` for k = 0 .. R-1."""
+    slot_row = gkc_edge + slot * RANK
+    for k in tl.static_range(RANK):
+        projected = tl.sum(t * basis[k], axis=1)
+        tl.store(slot_row + k, projected, mask=edge_live)
+
+
+@triton.jit
 def _store_kernel_grads_low_rank(
     gy, xr, gkc_edge, kc_edge, edge_live, basis, cb_acc,
     L: tl.constexpr, RANK: tl.constexpr, WANT_CB: tl.constexpr,
 ):  # fmt: skip
-    """Rank R ≥ 1: ``grad kc[e, slot(i, o)·R + r] = Σ_c cb[r, c]·t_io[e, c]`` with
-    ``t_io = gy[o] ⊙ xr[i]`` (summed over the m=-1 and m=+1 copies for the shared |m|=1 slots);
-    the basis gradient ``Σ_e Σ_slot kc[e, slot, r]·t`` is accumulated per program."""
-    n_m0: tl.constexpr = L + 1
-    for i in tl.static_range(n_m0):
-        for o in tl.static_range(n_m0):
+    """Rank R ≥ 1. Each kernel slot (i, o) gets ``t_io = gy[o] ⊙ xr[i]`` projected on the basis
+    rows (``_project_slot``); the |m|=1 slots are shared by the m=-1 and m=+1 copies, so their
+    ``t`` adds both. The basis gradient ``Σ_e Σ_slot kc[e, slot, r]·t`` is kept per program."""
+    S: tl.constexpr = L + 1
+    for i in tl.static_range(S):
+        for o in tl.static_range(S):
             t = gy[o] * xr[i]
-            for r in tl.static_range(RANK):
-                tl.store(gkc_edge + ((i * n_m0 + o) * RANK + r), tl.sum(t * basis[r], axis=1),
-                         mask=edge_live)  # fmt: skip
+            _project_slot(gkc_edge, i * S + o, t, basis, edge_live, RANK)
             if WANT_CB:
-                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, edge_live, i * n_m0 + o, RANK)
+                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, edge_live, i * S + o, RANK)
+    # |m| = 1 slots follow the S·S m = 0 slots; the m=-1 rows start at S, the m=+1 rows at S + L.
     for i in tl.static_range(L):
         for o in tl.static_range(L):
-            t = gy[n_m0 + o] * xr[n_m0 + i] + gy[n_m0 + L + o] * xr[n_m0 + L + i]
-            for r in tl.static_range(RANK):
-                tl.store(gkc_edge + ((n_m0 * n_m0 + i * L + o) * RANK + r),
-                         tl.sum(t * basis[r], axis=1), mask=edge_live)  # fmt: skip
+            t = gy[S + o] * xr[S + i] + gy[S + L + o] * xr[S + L + i]
+            _project_slot(gkc_edge, S * S + i * L + o, t, basis, edge_live, RANK)
             if WANT_CB:
-                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, edge_live,
-                                                n_m0 * n_m0 + i * L + o, RANK)  # fmt: skip
+                cb_acc = _accumulate_basis_grad(cb_acc, t, kc_edge, edge_live, S * S + i * L + o,
+                                                RANK)  # fmt: skip
     return cb_acc
 
 
@@ -219,8 +216,8 @@ def _local_gradient(
     ``g_local`` the 3L+1 reduced-row gradients before the rotation, each (BLOCK_E, WP)."""
     xr = _rotate_to_local(x_tile, x_mask, w_edge, edge_live, L, BLOCK_E, WP, WD, W_SR)
     gy = ()
-    for r in tl.static_range(3 * L + 1):
-        gy = gy + (tl.load(gu_tile + r * FD, mask=tile_mask, other=0.0),)
+    for row in tl.static_range(3 * L + 1):
+        gy = gy + (tl.load(gu_tile + row * FD, mask=tile_mask, other=0.0),)
     if RANK == 0:
         _store_kernel_grads_by_degree(gy, xr, gkc_edge, cvec, tile_mask, L, WD)
         # The per-degree multiply is diagonal, hence its own adjoint.
@@ -247,15 +244,17 @@ def _store_basis_partial(gcb_ptr, program, cb_acc, cvec, c_mask, RANK: tl.conste
     """This program's basis-gradient partial (its edge lanes summed) into row ``program`` of
     (P, R, WD)."""
     gcb_row = gcb_ptr + program * (RANK * WD) + cvec
-    for r in tl.static_range(RANK):
-        tl.store(gcb_row + r * WD, tl.sum(cb_acc[r], axis=0), mask=c_mask)
+    for k in tl.static_range(RANK):
+        lane_sum = tl.sum(cb_acc[k], axis=0)
+        tl.store(gcb_row + k * WD, lane_sum, mask=c_mask)
 
 
 @triton.jit
-def _store_node_rows(dest, rows, cvec, write, DIM: tl.constexpr, WD: tl.constexpr):
-    """The DIM (WP,) rows of one node gradient into ``dest`` (a contiguous (DIM, WD) block)."""
-    for d in tl.static_range(DIM):
-        tl.store(dest + d * WD + cvec, rows[d], mask=write)
+def _store_node_rows(dest, rows, cvec, write, NROWS: tl.constexpr, WD: tl.constexpr):
+    """Write the NROWS (WP,) rows of one node gradient to ``dest``, a contiguous (NROWS, WD)
+    block."""
+    for k in tl.static_range(NROWS):
+        tl.store(dest + k * WD + cvec, rows[k], mask=write)
 
 
 @triton.jit
@@ -267,17 +266,17 @@ def _walk_source_segment(
     W_SR: tl.constexpr, GW_SR: tl.constexpr,
 ):  # fmt: skip
     """CSR positions ``lo .. hi`` of ``node``'s source segment, BLOCK_E edges per step: store
-    each edge's Wigner and kernel gradients and return ``(rows, cb_acc)``, ``rows`` the DIM
+    each edge's Wigner and kernel gradients and return ``(rows, cb_acc)``, ``rows`` the N_COEF
     (WP,) rows of ``Σ_edges Wᵀ·g_local``. Every edge starts at ``node``, so its feature rows are
     one shared (1, WP) tile per packed row; the node gradient stays per edge lane in registers
     and is summed over the lanes once, after the walk (no per-step cross-lane reduction)."""
-    DIM: tl.constexpr = (L + 1) * (L + 1)
-    ROW: tl.constexpr = (3 * L + 1) * FD
+    ROW_LEN: tl.constexpr = FD * (3 * L + 1)
+    N_COEF: tl.constexpr = (1 + L) * (1 + L)
     kc_stride: tl.constexpr = _kernel_edge_stride(L, WD, RANK)
     x_tile = x_ptr + node * x_sn + cvec[None, :]
     x_mask = c_mask[None, :]
-    gu_chan = ((cvec // FD).to(tl.int64) * n_edge * ROW + cvec % FD)[None, :]
-    gx_acc = _zero_tiles(DIM, BLOCK_E, WP)
+    gu_chan = ((cvec // FD).to(tl.int64) * n_edge * ROW_LEN + cvec % FD)[None, :]
+    gx_acc = _zero_tiles(N_COEF, BLOCK_E, WP)
     for k0 in range(lo, hi, BLOCK_E):
         pos = k0 + tl.arange(0, BLOCK_E)
         edge_live = pos < hi
@@ -286,23 +285,24 @@ def _walk_source_segment(
         w_edge = w_ptr + edges * w_se
         g_local, cb_acc = _local_gradient(
             x_tile, x_mask, w_edge, kc_ptr + edges * kc_stride, gkc_ptr + edges * kc_stride,
-            gu_ptr + gu_chan + (edges * ROW)[:, None], edge_live, tile_mask, cvec, basis, cb_acc,
+            gu_ptr + gu_chan + (edges * ROW_LEN)[:, None], edge_live, tile_mask, cvec, basis,
+            cb_acc,
             L, FD, WD, WP, RANK, WANT_CB, BLOCK_E, W_SR,
         )  # fmt: skip
-        gw_edge = gw_ptr + edges * (GW_SR * GW_SR)
         updated = ()
+        gw_edge = gw_ptr + edges * (GW_SR * GW_SR)
         for l in tl.static_range(L + 1):
-            for j in tl.static_range(2 * l + 1):
-                xv = tl.load(x_tile + (l * l + j) * WD, mask=x_mask, other=0.0)
+            for col in tl.static_range(2 * l + 1):
+                x_col = tl.load(x_tile + (l * l + col) * WD, mask=x_mask, other=0.0)
                 contrib = _adjoint_column(
-                    g_local, xv, w_edge + (l * l + j), gw_edge + (l * l + j), edge_live,
+                    g_local, x_col, w_edge + (l * l + col), gw_edge + (l * l + col), edge_live,
                     l, L, W_SR, GW_SR,
                 )  # fmt: skip
                 # Indexed by the literal expression: Triton does not fold a named index here.
-                updated = updated + (gx_acc[l * l + j] + contrib,)
+                updated = updated + (gx_acc[l * l + col] + contrib,)
         gx_acc = updated
     rows = ()
-    for d in tl.static_range(DIM):
+    for d in tl.static_range(N_COEF):
         rows = rows + (tl.sum(gx_acc[d], axis=0),)
     return rows, cb_acc
 
@@ -317,8 +317,8 @@ def _rotate_mix_bwd_kernel(
     W_SR: tl.constexpr, GW_SR: tl.constexpr,
 ):  # fmt: skip
     """Node variant: one program per node, its whole source segment."""
-    DIM: tl.constexpr = (L + 1) * (L + 1)
-    node = tl.program_id(0).to(tl.int64)
+    N_COEF: tl.constexpr = (1 + L) * (1 + L)
+    node = tl.program_id(axis=0).to(tl.int64)
     cvec = tl.arange(0, WP)
     c_mask = cvec < WD
     basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
@@ -328,7 +328,7 @@ def _rotate_mix_bwd_kernel(
         cvec, c_mask, basis, _zero_tiles(RANK if WANT_CB else 0, BLOCK_E, WP),
         L, FD, WD, WP, RANK, WANT_CB, BLOCK_E, W_SR, GW_SR,
     )  # fmt: skip
-    _store_node_rows(gx_ptr + node * (DIM * WD), rows, cvec, c_mask, DIM, WD)
+    _store_node_rows(gx_ptr + node * (N_COEF * WD), rows, cvec, c_mask, N_COEF, WD)
     if WANT_CB:
         _store_basis_partial(gcb_ptr, node, cb_acc, cvec, c_mask, RANK, WD)
 
@@ -348,8 +348,8 @@ def _rotate_mix_bwd_csr_kernel(
     ``part[p, 0]`` (the chunk's first node, begun in an earlier chunk) or ``part[p, 1]`` (its
     last node, continued in a later chunk) for ``_finish_split_nodes_kernel``. Nodes without
     edges are left to that kernel as well."""
-    DIM: tl.constexpr = (L + 1) * (L + 1)
-    program = tl.program_id(0).to(tl.int64)
+    N_COEF: tl.constexpr = (1 + L) * (1 + L)
+    program = tl.program_id(axis=0).to(tl.int64)
     start = program * chunk
     stop = tl.minimum(start + chunk, n_edge)
     cvec = tl.arange(0, WP)
@@ -359,7 +359,7 @@ def _rotate_mix_bwd_csr_kernel(
     # Sources are non-decreasing along the CSR order: the chunk covers this node range.
     first_node = tl.load(src_ptr + tl.load(order_ptr + start))
     last_node = tl.load(src_ptr + tl.load(order_ptr + stop - 1))
-    part_first = part_ptr + program * (2 * DIM * WD)
+    part_first = part_ptr + program * (2 * N_COEF * WD)
     for node in range(first_node, last_node + 1):
         seg_begin = tl.load(rowptr_ptr + node)
         seg_end = tl.load(rowptr_ptr + node + 1)
@@ -370,12 +370,12 @@ def _rotate_mix_bwd_csr_kernel(
             node, lo, hi, n_edge, x_sn, w_se, cvec, c_mask, basis, cb_acc,
             L, FD, WD, WP, RANK, WANT_CB, BLOCK_E, W_SR, GW_SR,
         )  # fmt: skip
-        dest = gx_ptr + node * (DIM * WD)
+        dest = gx_ptr + node * (N_COEF * WD)
         if seg_begin < start:
             dest = part_first
         elif seg_end > stop:
-            dest = part_first + DIM * WD
-        _store_node_rows(dest, rows, cvec, c_mask & (hi > lo), DIM, WD)
+            dest = part_first + N_COEF * WD
+        _store_node_rows(dest, rows, cvec, c_mask & (hi > lo), N_COEF, WD)
     if WANT_CB:
         _store_basis_partial(gcb_ptr, program, cb_acc, cvec, c_mask, RANK, WD)
 
@@ -388,7 +388,7 @@ def _finish_split_nodes_kernel(
     """One program per node, after the CSR variant: a segment cut across chunks
     ``first .. last`` sums ``part[first, 1] + part[first+1, 0] + … + part[last, 0]`` in that
     fixed order; a node without edges gets zeros; any other node is already stored."""
-    node = tl.program_id(0).to(tl.int64)
+    node = tl.program_id(axis=0).to(tl.int64)
     seg_begin = tl.load(rowptr_ptr + node)
     seg_end = tl.load(rowptr_ptr + node + 1)
     first = seg_begin // chunk
@@ -415,30 +415,31 @@ def _rotate_mix_bwd_edge_kernel(
 ):  # fmt: skip
     """Edge variant: one program per BLOCK_E consecutive edges; the node gradient is written per
     edge into ``gxe`` (E, D, WD) for the CSR segment sum."""
-    DIM: tl.constexpr = (L + 1) * (L + 1)
-    ROW: tl.constexpr = (3 * L + 1) * FD
-    program = tl.program_id(0).to(tl.int64)
+    ROW_LEN: tl.constexpr = FD * (3 * L + 1)
+    N_COEF: tl.constexpr = (1 + L) * (1 + L)
+    program = tl.program_id(axis=0).to(tl.int64)
     edges, edge_live, cvec, c_mask, tile_mask, x_tile = _gather_edge_tile(
         x_ptr, src_ptr, program * BLOCK_E, n_edge, x_sn, BLOCK_E, WP, WD
     )
-    gu_chan = ((cvec // FD).to(tl.int64) * n_edge * ROW + cvec % FD)[None, :]
+    gu_chan = ((cvec // FD).to(tl.int64) * n_edge * ROW_LEN + cvec % FD)[None, :]
     kc_stride: tl.constexpr = _kernel_edge_stride(L, WD, RANK)
     basis = _load_basis(cb_ptr, cvec, c_mask, RANK, WD)
     cb_acc = _zero_tiles(RANK if WANT_CB else 0, BLOCK_E, WP)
     w_edge = w_ptr + edges * w_se
     g_local, cb_acc = _local_gradient(
         x_tile, tile_mask, w_edge, kc_ptr + edges * kc_stride, gkc_ptr + edges * kc_stride,
-        gu_ptr + gu_chan + (edges * ROW)[:, None], edge_live, tile_mask, cvec, basis, cb_acc,
+        gu_ptr + gu_chan + (edges * ROW_LEN)[:, None], edge_live, tile_mask, cvec, basis, cb_acc,
         L, FD, WD, WP, RANK, WANT_CB, BLOCK_E, W_SR,
     )  # fmt: skip
     gw_edge = gw_ptr + edges * (GW_SR * GW_SR)
-    gxe_tile = gxe_ptr + (edges * (DIM * WD))[:, None] + cvec[None, :]
+    gxe_tile = gxe_ptr + (edges * (N_COEF * WD))[:, None] + cvec[None, :]
     for l in tl.static_range(L + 1):
-        for j in tl.static_range(2 * l + 1):
-            xv = tl.load(x_tile + (l * l + j) * WD, mask=tile_mask, other=0.0)
-            contrib = _adjoint_column(g_local, xv, w_edge + (l * l + j), gw_edge + (l * l + j),
-                                      edge_live, l, L, W_SR, GW_SR)  # fmt: skip
-            tl.store(gxe_tile + (l * l + j) * WD, contrib, mask=tile_mask)
+        for col in tl.static_range(2 * l + 1):
+            x_col = tl.load(x_tile + (l * l + col) * WD, mask=tile_mask, other=0.0)
+            contrib = _adjoint_column(g_local, x_col, w_edge + (l * l + col),
+                                      gw_edge + (l * l + col), edge_live, l, L, W_SR,
+                                      GW_SR)  # fmt: skip
+            tl.store(gxe_tile + (l * l + col) * WD, contrib, mask=tile_mask)
     if WANT_CB:
         _store_basis_partial(gcb_ptr, program, cb_acc, cvec, c_mask, RANK, WD)
 
@@ -534,44 +535,53 @@ _SCHEDULES = {"node": _run_node_schedule, "edge": _run_edge_schedule, "csr": _ru
 
 def launch_rotate_mix_bwd(
     grad_u: Tensor,
-    x: Tensor,
+    feats: Tensor,
     src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
+    order: Tensor,
+    rowptr: Tensor,
+    rot: Tensor,
+    kern: Tensor,
+    basis: Tensor,
     lmax: int,
     n_focus: int,
-    rank: int,
+    mix_rank: int,
     want_cb: bool,
     tiles: LaunchTiles,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Run the backward schedule ``tiles.variant`` ("csr", "node" or "edge") with explicit
-    tiles."""
-    c_wide = x.shape[2]
-    want_cb = want_cb and rank > 0
+    tiles. Operands as in the op (``feats`` = x, ``order``/``rowptr`` = the source CSR,
+    ``rot`` = wigner, ``kern`` = kc, ``basis`` = cb)."""
+    width = feats.shape[2]
+    want_cb = want_cb and mix_rank > 0
+    grad_kc = torch.empty(kern.shape, device=kern.device, dtype=kern.dtype)
     # Zero-filled: only the structural entries are written by the kernels.
-    grad_wigner = torch.zeros(wigner.shape, device=wigner.device, dtype=wigner.dtype)
-    grad_kc = torch.empty(kc.shape, device=kc.device, dtype=kc.dtype)
-    x, wigner, kc, cb = kernel_operands(x, wigner, kc, cb)
+    grad_wigner = torch.zeros(rot.shape, device=rot.device, dtype=rot.dtype)
+    feats, rot, kern, basis = kernel_operands(feats, rot, kern, basis)
     consts: dict[str, Any] = {
-        "L": lmax, "FD": c_wide // n_focus, "WD": c_wide, "WP": triton.next_power_of_2(c_wide),
-        "RANK": rank, "WANT_CB": want_cb, "W_SR": wigner.stride(1), "GW_SR": grad_wigner.shape[2],
+        "L": lmax, "FD": width // n_focus, "WD": width, "WP": triton.next_power_of_2(width),
+        "RANK": mix_rank, "WANT_CB": want_cb, "W_SR": rot.stride(1), "GW_SR": grad_wigner.shape[2],
     }  # fmt: skip
-    run = _BackwardLaunch(grad_u.contiguous(), x, src, src_order, src_rowptr, wigner, kc, cb,
+    run = _BackwardLaunch(grad_u.contiguous(), feats, src, order, rowptr, rot, kern, basis,
                           grad_wigner, grad_kc, want_cb, consts)  # fmt: skip
     grad_x, partial_cb = _SCHEDULES[tiles.variant](run, tiles)
     # Per-program partials summed in a fixed order: deterministic, no atomics.
-    grad_cb = partial_cb.sum(0) if want_cb else cb.new_zeros((0,))
+    grad_cb = partial_cb.sum(0) if want_cb else basis.new_zeros((0,))
     return grad_x, grad_wigner, grad_kc, grad_cb
 
 
 # Op registration: the backward op, its second order, and the forward op's autograd.
 
 
-def _check_grad_u(grad_u: Tensor, x: Tensor, src: Tensor, lmax: int, n_focus: int) -> None:
-    expected = (n_focus, src.shape[0], n_reduced(lmax) * (x.shape[2] // n_focus))
+def _validate_bwd(
+    grad_u: Tensor, feats: Tensor, graph: tuple[Tensor, ...], floats: tuple[Tensor, ...],
+    shape: tuple[int, int, int],
+) -> None:  # fmt: skip
+    """Operand checks of the forward, plus ``grad_u`` against the (F, E, ROW) output shape.
+    ``graph`` = (src, src_order, src_rowptr), ``floats`` = (wigner, kc, cb),
+    ``shape`` = (lmax, n_focus, rank)."""
+    check_rotate_mix_inputs(feats, *graph, *floats, *shape)
+    lmax, n_focus, _ = shape
+    expected = (n_focus, graph[0].shape[0], n_reduced(lmax) * (feats.shape[2] // n_focus))
     if tuple(grad_u.shape) != expected:
         raise ValueError(
             f"so2kernels.so2_rotate_mix_bwd: grad_u must be (F, E, ROW) = {expected}, "
@@ -594,80 +604,65 @@ def _rotate_mix_bwd_op(
     rank: int,
     want_cb: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
-    _check_grad_u(grad_u, x, src, lmax, n_focus)
-    if not use_triton(grad_u, x, src, src_order, src_rowptr, wigner, kc, cb):
-        return rotate_mix_backward_reference(
-            grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb
-        )
-    check_fused_regime(x, wigner, kc, cb, lmax, n_focus, rank)
+    graph = (src, src_order, src_rowptr)
+    floats = (wigner, kc, cb)
+    shape = (lmax, n_focus, rank)
+    _validate_bwd(grad_u, x, graph, floats, shape)
+    if not use_triton(grad_u, x, *graph, *floats):
+        return rotate_mix_backward_reference(grad_u, x, *graph, *floats, *shape, want_cb=want_cb)
+    check_fused_regime(x, *floats, *shape)
     require_fp32("so2_rotate_mix_bwd", grad_u=grad_u)
     tiles = rotate_mix_tiles("bwd", x.shape[2], lmax, rank, x.device)
-    return launch_rotate_mix_bwd(
-        grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb, tiles
-    )
+    return launch_rotate_mix_bwd(grad_u, x, *graph, *floats, *shape, want_cb, tiles)
 
 
 @_rotate_mix_bwd_op.register_fake
-def _rotate_mix_bwd_fake(
-    grad_u: Tensor,
-    x: Tensor,
-    src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
-    lmax: int,
-    n_focus: int,
-    rank: int,
-    want_cb: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    check_rotate_mix_inputs(x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank)
-    _check_grad_u(grad_u, x, src, lmax, n_focus)
-    grad_cb_shape = (rank, x.shape[2]) if want_cb and rank > 0 else (0,)
-    return (
-        x.new_empty(x.shape),
-        wigner.new_empty(wigner.shape),
-        kc.new_empty(kc.shape),
-        cb.new_empty(grad_cb_shape),
-    )
+def _rotate_mix_bwd_fake(grad_u: Tensor, *operands: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # operands: the ten forward operands, then want_cb.
+    feats, rot, kern, basis = operands[0], operands[4], operands[5], operands[6]
+    *shape, want_cb = operands[7:]
+    _validate_bwd(grad_u, feats, operands[1:4], (rot, kern, basis), tuple(shape))
+    rank = shape[2]
+    cb_shape = (rank, feats.shape[2]) if want_cb and rank > 0 else (0,)
+    outs = (feats.new_empty(feats.shape), rot.new_empty(rot.shape))
+    return (*outs, kern.new_empty(kern.shape), basis.new_empty(cb_shape))
 
 
-def _rotate_mix_setup_context(
+# Saved for both autograd formulas: the operand tensors in ctx.saved_tensors, the trailing
+# int/bool operands in ctx.config (``inputs`` is the op's argument tuple).
+def _save_rotate_mix(
     ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: Tensor
 ) -> None:
-    x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank = inputs
-    ctx.save_for_backward(x, src, src_order, src_rowptr, wigner, kc, cb)
-    ctx.config = (lmax, n_focus, rank)  # type: ignore[attr-defined]
+    ctx.save_for_backward(*inputs[:7])
+    ctx.config = tuple(inputs[7:])  # type: ignore[attr-defined]
 
 
-def _rotate_mix_backward(
-    ctx: torch.autograd.function.FunctionCtx, grad_u: Tensor
-) -> tuple[Tensor | None, ...]:
-    x, src, src_order, src_rowptr, wigner, kc, cb = ctx.saved_tensors  # type: ignore[attr-defined]
-    lmax, n_focus, rank = ctx.config  # type: ignore[attr-defined]
-    want_cb = rank > 0 and bool(ctx.needs_input_grad[6])  # type: ignore[attr-defined]
-    grad_x, grad_wigner, grad_kc, grad_cb = torch.ops.so2kernels.so2_rotate_mix_bwd(
-        grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb
-    )
-    return (grad_x, None, None, None, grad_wigner, grad_kc, grad_cb if want_cb else None,
-            None, None, None)  # fmt: skip
-
-
-def _rotate_mix_bwd_setup_context(
+def _save_rotate_mix_bwd(
     ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: object
 ) -> None:
-    grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb = inputs
-    ctx.save_for_backward(grad_u, x, src, src_order, src_rowptr, wigner, kc, cb)
-    ctx.config = (lmax, n_focus, rank, want_cb)  # type: ignore[attr-defined]
+    ctx.save_for_backward(*inputs[:8])
+    ctx.config = tuple(inputs[8:])  # type: ignore[attr-defined]
+
+
+def _rotate_mix_vjp(
+    ctx: torch.autograd.function.FunctionCtx, grad_u: Tensor
+) -> tuple[Tensor | None, ...]:
+    config = ctx.config  # type: ignore[attr-defined]
+    # Operand 6 is the basis cb; rank 0 never reads it.
+    want_cb = config[2] > 0 and bool(ctx.needs_input_grad[6])  # type: ignore[attr-defined]
+    saved = ctx.saved_tensors  # type: ignore[attr-defined]
+    g_x, g_wigner, g_kc, g_cb = torch.ops.so2kernels.so2_rotate_mix_bwd(
+        grad_u, *saved, *config, want_cb
+    )
+    return (g_x, None, None, None, g_wigner, g_kc, g_cb if want_cb else None,
+            None, None, None)  # fmt: skip
 
 
 def _accumulate(total: Tensor | None, term: Tensor) -> Tensor:
     return term if total is None else total + term
 
 
-def _rotate_mix_bwd_backward(
+def _rotate_mix_bwd_vjp(
     ctx: torch.autograd.function.FunctionCtx,
     h_x: Tensor | None,
     h_wigner: Tensor | None,
@@ -678,10 +673,13 @@ def _rotate_mix_bwd_backward(
     (∂s/∂x, ∂s/∂W, ∂s/∂kc, ∂s/∂cb), the contracted scalar Σ_a <h_a, ∂s/∂a> equals
     Σ_a s(…, a := h_a, …). Its gradient in grad_u is Σ_a f(a := h_a), and in an operand b it is
     Σ_{a≠b} (∂s/∂b)(a := h_a): one forward and one backward launch per incoming cotangent."""
-    grad_u, x, src, src_order, src_rowptr, wigner, kc, cb = ctx.saved_tensors  # type: ignore[attr-defined]
+    g_in, feats, src, order, rowptr, rot, kern, basis = ctx.saved_tensors  # type: ignore[attr-defined]
     lmax, n_focus, rank, want_cb = ctx.config  # type: ignore[attr-defined]
     needs = ctx.needs_input_grad  # type: ignore[attr-defined]
-    operands = [x, wigner, kc, cb]
+    graph = (src, order, rowptr)
+    shape = (lmax, n_focus, rank)
+    # The four multilinear operands (slot 0..3) and their op argument positions (1, 5, 6, 7).
+    operands = [feats, rot, kern, basis]
     cotangents = [h_x, h_wigner, h_kc, h_cb if want_cb and rank > 0 else None]
     operand_needs = [bool(needs[1]), bool(needs[5]), bool(needs[6]), bool(needs[7]) and rank > 0]
     grads: list[Tensor | None] = [None, None, None, None]
@@ -689,20 +687,17 @@ def _rotate_mix_bwd_backward(
     for slot, cotangent in enumerate(cotangents):
         if cotangent is None:
             continue
-        args = list(operands)
-        args[slot] = cotangent
+        swapped = list(operands)
+        swapped[slot] = cotangent
         if needs[0]:
-            term_u = torch.ops.so2kernels.so2_rotate_mix(
-                args[0], src, src_order, src_rowptr, args[1], args[2], args[3], lmax, n_focus, rank
-            )
+            term_u = torch.ops.so2kernels.so2_rotate_mix(swapped[0], *graph, *swapped[1:], *shape)
             grad_grad_u = _accumulate(grad_grad_u, term_u)
         others = [b for b in range(4) if b != slot and operand_needs[b]]
         if not others:
             continue
         terms = torch.ops.so2kernels.so2_rotate_mix_bwd(
-            grad_u, args[0], src, src_order, src_rowptr, args[1], args[2], args[3],
-            lmax, n_focus, rank, 3 in others,
-        )  # fmt: skip
+            g_in, swapped[0], *graph, *swapped[1:], *shape, 3 in others
+        )
         for b in others:
             grads[b] = _accumulate(grads[b], terms[b])
     return (grad_grad_u, grads[0], None, None, None, grads[1], grads[2], grads[3],
@@ -710,11 +705,9 @@ def _rotate_mix_bwd_backward(
 
 
 torch.library.register_autograd(
-    "so2kernels::so2_rotate_mix", _rotate_mix_backward, setup_context=_rotate_mix_setup_context
+    "so2kernels::so2_rotate_mix", _rotate_mix_vjp, setup_context=_save_rotate_mix
 )
-_rotate_mix_bwd_op.register_autograd(
-    _rotate_mix_bwd_backward, setup_context=_rotate_mix_bwd_setup_context
-)
+_rotate_mix_bwd_op.register_autograd(_rotate_mix_bwd_vjp, setup_context=_save_rotate_mix_bwd)
 
 
 def rotate_mix_backward(
@@ -732,7 +725,8 @@ def rotate_mix_backward(
     want_cb: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``torch.ops.so2kernels.so2_rotate_mix_bwd``: (grad_x, grad_wigner, grad_kc, grad_cb)."""
+    graph = (src, src_order, src_rowptr)
     out: tuple[Tensor, Tensor, Tensor, Tensor] = torch.ops.so2kernels.so2_rotate_mix_bwd(
-        grad_u, x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank, want_cb
+        grad_u, x, *graph, wigner, kc, cb, lmax, n_focus, rank, want_cb
     )
     return out

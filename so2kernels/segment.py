@@ -89,11 +89,11 @@ def csr_from_index(index: Tensor, n_segments: int) -> tuple[Tensor, Tensor]:
 
 
 def _segment_of_position(row_ptr: Tensor, n_rows: int) -> Tensor:
-    """(E,) segment id of every CSR position (no host sync: output_size is known)."""
-    n_segments = row_ptr.shape[0] - 1
-    counts = row_ptr[1:] - row_ptr[:-1]
-    ids = torch.arange(n_segments, device=row_ptr.device, dtype=torch.int64)
-    return torch.repeat_interleave(ids, counts, output_size=n_rows)
+    """Owning segment of each of the E CSR positions, as int64 (E,); ``output_size`` is given,
+    so nothing is read back to the host."""
+    lengths = torch.diff(row_ptr)
+    labels = torch.arange(lengths.numel(), dtype=torch.int64, device=row_ptr.device)
+    return labels.repeat_interleave(lengths, output_size=n_rows)
 
 
 def segment_sum_reference(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
@@ -138,76 +138,77 @@ def _check_segment_count(op: str, values: Tensor, row_ptr: Tensor) -> None:
         )
 
 
-# Triton kernels. Grid (N, cdiv(P, BLOCK_P)); each program owns one segment's column chunk and
-# walks the segment BLOCK_K positions at a time, accumulating in the output's dtype. GROUPED
-# (order is None) reads position k as row k. Offsets are int64 (E·P may exceed 2^31).
+# Triton kernels. The launch grid is (N segments, column chunks of CHUNK); a program reads its
+# segment bounds and visits the positions STEP at a time, summing (or storing) in the result's
+# dtype. IDENTITY (order is None) maps position k to row k. All offsets are int64 (E·P can pass
+# 2^31).
 
 
 @triton.jit
-def _segment_sum_kernel(
-    rows_ptr,  # (E, P), row stride rows_se, unit column stride
-    order_ptr,  # (E,) int64; unused when GROUPED
-    row_ptr_ptr,  # (N+1,) int64
-    out_ptr,  # (N, P) contiguous, rows' dtype
-    rows_se,
-    P,
-    GROUPED: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+def _csr_reduce_kernel(
+    src,  # (E, P) source rows: stride src_stride between rows, contiguous within one
+    perm,  # (E,) int64 position -> row; never read when IDENTITY
+    offsets,  # (N+1,) int64 segment bounds
+    dst,  # (N, P) contiguous result, same dtype as src
+    src_stride,
+    width,
+    IDENTITY: tl.constexpr,
+    STEP: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    seg = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
-    col_mask = cols < P
-    first = tl.load(row_ptr_ptr + seg)
-    stop = tl.load(row_ptr_ptr + seg + 1)
-    acc = tl.zeros((BLOCK_P,), dtype=out_ptr.dtype.element_ty)
-    for k0 in range(first, stop, BLOCK_K):
-        pos = k0 + tl.arange(0, BLOCK_K)
-        pos_mask = pos < stop
-        row = pos if GROUPED else tl.load(order_ptr + pos, mask=pos_mask, other=0)
-        tile = tl.load(
-            rows_ptr + row[:, None] * rows_se + cols[None, :],
-            mask=pos_mask[:, None] & col_mask[None, :],
+    node = tl.program_id(axis=0).to(tl.int64)
+    lane = tl.arange(0, CHUNK) + CHUNK * tl.program_id(axis=1).to(tl.int64)
+    lane_ok = lane < width
+    lo = tl.load(offsets + node)
+    hi = tl.load(offsets + node + 1)
+    total = tl.zeros((CHUNK,), dtype=dst.dtype.element_ty)
+    for start in range(lo, hi, STEP):
+        k = tl.arange(0, STEP) + start
+        k_ok = k < hi
+        src_row = k if IDENTITY else tl.load(perm + k, mask=k_ok, other=0)
+        block = tl.load(
+            src + (src_row * src_stride)[:, None] + lane[None, :],
+            mask=k_ok[:, None] & lane_ok[None, :],
             other=0.0,
         )
-        acc += tl.sum(tile, axis=0)
-    tl.store(out_ptr + seg * P + cols, acc, mask=col_mask)
+        total += tl.sum(block, axis=0)
+    tl.store(dst + node * width + lane, total, mask=lane_ok)
 
 
 @triton.jit
-def _segment_broadcast_kernel(
-    values_ptr,  # (N, P), row stride values_sn, unit column stride
-    order_ptr,  # (E,) int64; unused when GROUPED
-    row_ptr_ptr,  # (N+1,) int64
-    out_ptr,  # (E, P) contiguous
-    values_sn,
-    P,
-    GROUPED: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+def _csr_spread_kernel(
+    src,  # (N, P) per-segment values: stride src_stride between rows, contiguous within one
+    perm,  # (E,) int64 position -> row; never read when IDENTITY
+    offsets,  # (N+1,) int64 segment bounds
+    dst,  # (E, P) contiguous result
+    src_stride,
+    width,
+    IDENTITY: tl.constexpr,
+    STEP: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    seg = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
-    col_mask = cols < P
-    first = tl.load(row_ptr_ptr + seg)
-    stop = tl.load(row_ptr_ptr + seg + 1)
-    value = tl.load(values_ptr + seg * values_sn + cols, mask=col_mask, other=0.0)
-    tile = tl.broadcast_to(value[None, :], (BLOCK_K, BLOCK_P))
-    for k0 in range(first, stop, BLOCK_K):
-        pos = k0 + tl.arange(0, BLOCK_K)
-        pos_mask = pos < stop
-        row = pos if GROUPED else tl.load(order_ptr + pos, mask=pos_mask, other=0)
+    node = tl.program_id(axis=0).to(tl.int64)
+    lane = tl.arange(0, CHUNK) + CHUNK * tl.program_id(axis=1).to(tl.int64)
+    lane_ok = lane < width
+    lo = tl.load(offsets + node)
+    hi = tl.load(offsets + node + 1)
+    seg_value = tl.load(src + node * src_stride + lane, mask=lane_ok, other=0.0)
+    block = tl.broadcast_to(seg_value[None, :], (STEP, CHUNK))
+    for start in range(lo, hi, STEP):
+        k = tl.arange(0, STEP) + start
+        k_ok = k < hi
+        dst_row = k if IDENTITY else tl.load(perm + k, mask=k_ok, other=0)
         tl.store(
-            out_ptr + row[:, None] * P + cols[None, :],
-            tile,
-            mask=pos_mask[:, None] & col_mask[None, :],
+            dst + (dst_row * width)[:, None] + lane[None, :],
+            block,
+            mask=k_ok[:, None] & lane_ok[None, :],
         )
 
 
 # Launchers
 
 _TILE_ELEMENTS = 4096
-"""Upper bound of BLOCK_K·BLOCK_P: a (BLOCK_K, BLOCK_P) tile per loop step stays in registers."""
+"""Cap on STEP·CHUNK, so that the (STEP, CHUNK) tile of one loop step fits in registers."""
 
 
 def _column_block(n_cols: int) -> int:
@@ -231,39 +232,36 @@ def _as_matrix(t: Tensor) -> Tensor:
 
 
 def _launch_segment_sum(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
-    n_segments = row_ptr.shape[0] - 1
-    out = torch.empty((n_segments, *rows.shape[1:]), device=rows.device, dtype=rows.dtype)
-    matrix = _as_matrix(rows)
-    n_cols = matrix.shape[1]
-    if n_segments == 0 or n_cols == 0:
-        return out
-    block_p = _column_block(n_cols)
-    block_k = _position_block(rows.shape[0], n_segments, block_p)
-    grid = (n_segments, triton.cdiv(n_cols, block_p))
-    wrap_triton(_segment_sum_kernel)[grid](
-        matrix, row_ptr if order is None else order, row_ptr, out, matrix.stride(0), n_cols,
-        GROUPED=order is None, BLOCK_K=block_k, BLOCK_P=block_p, num_warps=4,
-    )  # fmt: skip
-    return out
+    n_seg = row_ptr.size(0) - 1
+    result = rows.new_empty((n_seg, *rows.shape[1:]))
+    return _run_csr_kernel(_csr_reduce_kernel, rows, order, row_ptr, result, rows.shape[0])
 
 
 def _launch_segment_broadcast(
     values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int
 ) -> Tensor:
-    n_segments = row_ptr.shape[0] - 1
-    out = torch.empty((n_rows, *values.shape[1:]), device=values.device, dtype=values.dtype)
-    matrix = _as_matrix(values)
-    n_cols = matrix.shape[1]
-    if n_segments == 0 or n_cols == 0:
-        return out
-    block_p = _column_block(n_cols)
-    block_k = _position_block(n_rows, n_segments, block_p)
-    grid = (n_segments, triton.cdiv(n_cols, block_p))
-    wrap_triton(_segment_broadcast_kernel)[grid](
-        matrix, row_ptr if order is None else order, row_ptr, out, matrix.stride(0), n_cols,
-        GROUPED=order is None, BLOCK_K=block_k, BLOCK_P=block_p, num_warps=4,
+    result = values.new_empty((n_rows, *values.shape[1:]))
+    return _run_csr_kernel(_csr_spread_kernel, values, order, row_ptr, result, n_rows)
+
+
+def _run_csr_kernel(
+    kernel: Any, source: Tensor, order: Tensor | None, row_ptr: Tensor, result: Tensor, n_pos: int
+) -> Tensor:
+    """One program per (segment, column chunk) of ``kernel`` over ``n_pos`` CSR positions;
+    fills and returns ``result`` (left as is when there is nothing to do)."""
+    n_seg = row_ptr.size(0) - 1
+    flat = _as_matrix(source)
+    width = flat.shape[1]
+    if width == 0 or n_seg == 0:
+        return result
+    chunk = _column_block(width)
+    step = _position_block(n_pos, n_seg, chunk)
+    perm = row_ptr if order is None else order
+    wrap_triton(kernel)[(n_seg, triton.cdiv(width, chunk))](
+        flat, perm, row_ptr, result, flat.stride(0), width,
+        IDENTITY=order is None, STEP=step, CHUNK=chunk, num_warps=4,
     )  # fmt: skip
-    return out
+    return result
 
 
 # Op registration
@@ -302,7 +300,8 @@ def _segment_broadcast_op(
 
 @_segment_sum_op.register_fake
 def _segment_sum_fake(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
-    return rows.new_empty((row_ptr.shape[0] - 1, *rows.shape[1:]))
+    trailing = rows.shape[1:]
+    return rows.new_empty((row_ptr.size(0) - 1, *trailing))
 
 
 @_segment_broadcast_op.register_fake
@@ -315,16 +314,16 @@ def _segment_broadcast_fake(
 def _save_sum_csr(
     ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: Tensor
 ) -> None:
-    rows, order, row_ptr = inputs
-    ctx.save_for_backward(order, row_ptr)
-    ctx.n_rows = rows.shape[0]  # type: ignore[attr-defined]
+    # The backward broadcasts over the same CSR and needs E back.
+    ctx.n_rows = inputs[0].size(0)  # type: ignore[attr-defined]
+    ctx.save_for_backward(*inputs[1:3])
 
 
 def _save_broadcast_csr(
     ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Any, ...], output: Tensor
 ) -> None:
-    _, order, row_ptr, _ = inputs
-    ctx.save_for_backward(order, row_ptr)
+    # (values, order, row_ptr, n_rows): the adjoint only needs the CSR pair.
+    ctx.save_for_backward(*inputs[1:3])
 
 
 def _segment_sum_backward(
