@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh kernels|kernels-grid|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -35,6 +35,12 @@ case "$topic" in
     run python3 benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 128,3,1,1 --compare-variants
     run python3 benchmarks/kernels_aggregate.py
     STEP_S=400 run python3 benchmarks/kernels_mixing_stack.py --cases bar --sweep --sweep-cases served
+    ;;
+  verify)  # GPU correctness of everything changed since the last GPU run, then the model bar
+    STEP_S=200 run python3 -m pytest -q -m gpu tests/kernels
+    STEP_S=120 run python3 -m pytest -q -m gpu tests/model/test_golden_systems.py tests/model/test_captured.py tests/model/test_fast_tier.py tests/graph/test_sync_free.py
+    STEP_S=110 run python3 benchmarks/model.py --cases bar:192,12288 --paths fused fused-fp16x3 --profile --repeats 5 --no-agreement
+    STEP_S=70 run python3 benchmarks/model.py --cases bar:73728 --paths fused-fp16x3 --memory lean --no-agreement --repeats 2
     ;;
   proof)  # one call: aggregate op, fast-tier stack sweep + bar, model step both tiers + lean, service
     STEP_S=80 run python3 -m pytest -q -m gpu tests/kernels/test_aggregate.py tests/kernels/test_outer_sum.py -x
