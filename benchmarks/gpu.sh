@@ -55,8 +55,8 @@ case "$topic" in
     STEP_S=100 run python3 benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 --compare-variants
     STEP_S=240 run python3 benchmarks/model.py --cases bar:192,12288 --paths fused fused-fp16x3 --memory fast lean --profile --no-agreement --repeats 5 "$@"
     ;;
-  kernels-grid)
-    run python3 benchmarks/kernels_mixing_stack.py --cases all --no-compile "$@"
+  kernels-grid)  # issue #2's grid at E = 1M: every op, fused (both tiers) vs eager vs compiled
+    STEP_S=560 run python3 benchmarks/kernels.py --per-op-timeout 270 "$@"
     ;;
   graph)
     run python3 -m pytest -q -m gpu tests/graph

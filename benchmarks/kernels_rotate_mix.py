@@ -100,7 +100,7 @@ def run_case(
         "fused": rotate_mix,
         "eager": rotate_mix_reference,
     }
-    if not args.compare_variants:
+    if args.compile_reference and not args.compare_variants:
         impls["compiled"] = torch.compile(rotate_mix_reference, dynamic=False)
     grad_u = torch.randn(n_focus, args.edges, n_reduced(lmax) * focus_dim, device="cuda")
 
@@ -227,6 +227,7 @@ def main() -> None:
         help="time the backward launch under every schedule, also on the small graph "
         "(leaves torch.compile out)",
     )
+    parser.add_argument("--no-compile", dest="compile_reference", action="store_false")
     parser.add_argument("--small-edges", type=int, default=17_064, help="0: no small graph")
     parser.add_argument("--small-degree", type=int, default=89)
     args = parser.parse_args()
