@@ -36,6 +36,7 @@ import argparse
 import datetime as dt
 import json
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -148,13 +149,21 @@ def water_box(n_atoms: int) -> Structures:
     return Structures.from_arrays([arrays])
 
 
-def _timed(fn: Any, repeats: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+def _timed(fn: Any, repeats: int) -> tuple[float, float]:
+    """(median, mean) wall ms of one step. Each step returns host arrays, so it ends synchronised;
+    the median keeps a stray host hiccup (GC, page fault) out of the latency of small steps."""
+    samples = []
     for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1000.0 / repeats
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1000.0)
+    return float(statistics.median(samples)), float(statistics.fmean(samples))
+
+
+SMALL_STEP_REPEATS = 40
+"""Steps timed below 2,000 atoms (at least): their latency is a few ms, so a median needs more."""
 
 
 PHASES = ("graph", "edge_cache", "model", "backward", "assembly")
@@ -271,10 +280,12 @@ def run_case(
             pot.predict(structures, props)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        ms = _timed(lambda: pot.predict(structures, props), args.repeats)
+        repeats = args.repeats if n_atoms >= 2000 else max(args.repeats, SMALL_STEP_REPEATS)
+        ms, mean_ms = _timed(lambda: pot.predict(structures, props), repeats)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         row.update(
             ms_per_step=ms,
+            mean_ms_per_step=mean_ms,
             atom_steps_per_s=structures.n_atoms / ms * 1000.0,
             peak_mib=peak,
             mib_per_atom=peak / structures.n_atoms,

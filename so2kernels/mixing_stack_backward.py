@@ -20,8 +20,8 @@ Two implementations of the same formulas:
   the ATen gate references it is the eager reference; with the registered ``gated_act`` /
   ``gated_act_bwd`` ops it is the differentiable training path whose second order is closed
   form (``bmm`` VJPs and the hand-derived second order of ``gated_act_bwd``).
-* :func:`_stack_backward_fused` — the Triton traversal (per gated layer: gate backward, scalar
-  backward, two residual GEMMs), behind the op ``so2kernels::so2_mixing_stack_bwd``.
+* :func:`_stack_backward_exact` / :func:`_stack_backward_fast` — the Triton traversals of the two
+  precision tiers, behind the op ``so2kernels::so2_mixing_stack_bwd``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from so2kernels.mixing_stack_kernels import (
     TileConfig,
     block_bwd_kernel,
     gate_bwd_kernel,
+    gate_split_bwd_kernel,
     scalar_bwd_kernel,
     tile_config,
     weight_operands,
@@ -185,11 +186,11 @@ def mixing_stack_backward_reference(args: StackBwdArgs) -> StackGrads:
     return stack_backward_composed(*args, act, act_bwd)
 
 
-# Fused Triton traversal
+# Fused Triton traversals
 
 
 class _Launcher:
-    """Grid and launch arguments shared by every kernel of one traversal."""
+    """Grid and launch arguments shared by the launches of one kernel family."""
 
     def __init__(
         self, n_edge: int, n_focus: int, lmax: int, focus_dim: int, cfg: TileConfig, fast: bool
@@ -201,34 +202,46 @@ class _Launcher:
             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
         }  # fmt: skip
 
+    @classmethod
+    def of(cls, kind: str, args: StackBwdArgs, precision: StackPrecision) -> _Launcher:
+        n_focus, n_edge = args.u0.shape[:2]
+        cfg = tile_config(kind, args.focus_dim, args.lmax, precision, args.u0.device)
+        fast = precision is StackPrecision.FAST
+        return cls(n_edge, n_focus, args.lmax, args.focus_dim, cfg, fast)
+
     def grid(self, width: int) -> tuple[int, int]:
         tiles = triton.cdiv(self.n_edge, self.cfg.block_m) * triton.cdiv(width, self.cfg.block_n)
         return tiles, self.n_focus
 
+    def slots(self, m0: int, m1: int) -> int:
+        """Column tiles of both blocks: the per-edge partial slots of ``ALPHA_PARTIALS``."""
+        return triton.cdiv(m0, self.cfg.block_n) + triton.cdiv(m1, self.cfg.block_n)
 
-def _stack_backward_fused(args: StackBwdArgs, precision: StackPrecision) -> StackGrads:
-    """Triton traversal. Inputs contiguous fp32; activations and cotangents focus first."""
+
+_NO_PARTIALS = {"SPLIT_A": False, "ALPHA_PARTIALS": False}
+
+
+def _final_layer_weight_grads(args: StackBwdArgs, m0: int) -> tuple[Tensor, Tensor]:
+    scaled = _scaled_grad(args.grad_out, args.alpha, args.apply_alpha).transpose(0, 1)
+    return _block_weight_grads(args.u_final, scaled, m0)
+
+
+def _weight_grad_buffers(args: StackBwdArgs) -> tuple[Tensor, Tensor, Tensor]:
+    if not args.need_weights:
+        return _empty_weight_grads(args.u0)
+    return tuple(w.new_empty(w.shape) for w in (args.w0_all, args.w1_all, args.gw_all))  # type: ignore[return-value]
+
+
+def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
+    """Exact-tier traversal (IEEE fp32 dots). Per gated layer: gate backward, scalar backward,
+    two residual GEMMs. Inputs contiguous fp32; activations and cotangents focus first."""
     (grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
      lmax, focus_dim, apply_alpha, need_weights) = args  # fmt: skip
     n_gated, n_focus, n_edge, _ = z_all.shape
     m0, m1, gate_width = block_widths(lmax, focus_dim)
-    fast = precision is StackPrecision.FAST
-    run = _Launcher(
-        n_edge,
-        n_focus,
-        lmax,
-        focus_dim,
-        tile_config("bwd", focus_dim, lmax, precision, u0.device),
-        fast,
-    )
-    gate_run = _Launcher(
-        n_edge,
-        n_focus,
-        lmax,
-        focus_dim,
-        tile_config("gate", focus_dim, lmax, precision, u0.device),
-        fast,
-    )
+    precision = StackPrecision.EXACT
+    run = _Launcher.of("bwd", args, precision)
+    gate_run = _Launcher.of("gate", args, precision)
     w0t = weight_operands(w0_all.transpose(2, 3), precision)
     w1t = weight_operands(w1_all.transpose(2, 3), precision)
     gws = weight_operands(gw_all, precision)
@@ -238,20 +251,15 @@ def _stack_backward_fused(args: StackBwdArgs, precision: StackPrecision) -> Stac
     g = torch.empty_like(u_final)
     for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
         wrap_triton(block_bwd_kernel)[run.grid(width)](
-            grad_out, wt, wt_lo, g, alpha, g, n_edge, n_gated,
-            M1_BLOCK=is_m1, FINAL=True, APPLY_ALPHA=apply_alpha, **run.meta,
+            grad_out, wt, wt_lo, g, alpha, g, g, g, n_edge, n_gated,
+            M1_BLOCK=is_m1, FINAL=True, APPLY_ALPHA=apply_alpha, **_NO_PARTIALS, **run.meta,
         )  # fmt: skip
     if grad_u is not None:
         g += grad_u
 
-    grads_w0 = w0_all.new_empty(w0_all.shape) if need_weights else u0.new_empty(0)
-    grads_w1 = w1_all.new_empty(w1_all.shape) if need_weights else u0.new_empty(0)
-    grads_gw = gw_all.new_empty(gw_all.shape) if need_weights else u0.new_empty(0)
+    grads_w0, grads_w1, grads_gw = _weight_grad_buffers(args)
     if need_weights:
-        scaled = _scaled_grad(grad_out, alpha, apply_alpha).transpose(0, 1)
-        gw0, gw1 = _block_weight_grads(u_final, scaled, m0)
-        grads_w0[n_gated] = gw0
-        grads_w1[n_gated] = gw1
+        grads_w0[n_gated], grads_w1[n_gated] = _final_layer_weight_grads(args, m0)
 
     gz = torch.empty_like(u_final)
     grad_logit = u_final.new_empty((n_focus, n_edge, gate_width))
@@ -271,15 +279,84 @@ def _stack_backward_fused(args: StackBwdArgs, precision: StackPrecision) -> Stac
         if grad_z is not None:
             gz += grad_z[layer]
         if need_weights:
-            gw0, gw1 = _block_weight_grads(u_in, gz, m0)
-            grads_w0[layer] = gw0
-            grads_w1[layer] = gw1
+            grads_w0[layer], grads_w1[layer] = _block_weight_grads(u_in, gz, m0)
             grads_gw[layer] = _gate_weight_grad(z_all[layer], grad_logit, focus_dim)
             u_above = u_in
         for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
             wrap_triton(block_bwd_kernel)[run.grid(width)](
-                gz, wt, wt_lo, g, alpha, g_next, n_edge, layer,
-                M1_BLOCK=is_m1, FINAL=False, APPLY_ALPHA=False, **run.meta,
+                gz, wt, wt_lo, g, alpha, g, g, g_next, n_edge, layer,
+                M1_BLOCK=is_m1, FINAL=False, APPLY_ALPHA=False, **_NO_PARTIALS, **run.meta,
+            )  # fmt: skip
+        g, g_next = g_next, g
+    return g, grad_alpha, grads_w0, grads_w1, grads_gw
+
+
+def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
+    """Fast-tier (fp16x3) traversal; same inputs and results as :func:`_stack_backward_exact`.
+
+    Final layer: both residual GEMMs read the edge-major output cotangent and split it in
+    registers; they also leave per-tile shares of ``Σ grad·x_local``, so the alpha gradient costs
+    one extra read of ``x_local`` instead of an ATen product and reduction over two full
+    activations. Gated layer: one fused gate/scalar kernel per edge tile (the logit cotangent
+    stays in registers) that writes ``gz`` already split into fp16 head/tail planes (the bytes of
+    one fp32 copy), then the two residual GEMMs read those planes straight into the tensor cores.
+    """
+    (grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+     lmax, focus_dim, apply_alpha, need_weights) = args  # fmt: skip
+    n_gated, n_focus, n_edge, _ = z_all.shape
+    m0, m1, gate_width = block_widths(lmax, focus_dim)
+    precision = StackPrecision.FAST
+    final_run = _Launcher.of("fbwd", args, precision)
+    block_run = _Launcher.of("bwd", args, precision)
+    gate_cfg = tile_config("gbwd", focus_dim, lmax, precision, u0.device)
+    w0t = weight_operands(w0_all.transpose(2, 3), precision)
+    w1t = weight_operands(w1_all.transpose(2, 3), precision)
+    gws = weight_operands(gw_all, precision)
+    gwts = weight_operands(gw_all.transpose(2, 3), precision)
+
+    g = torch.empty_like(u_final)
+    # Without alpha there are no partials; g stands in for the unused pointer.
+    partials = x_local.new_empty((n_edge, n_focus, final_run.slots(m0, m1))) if apply_alpha else g
+    for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
+        wrap_triton(block_bwd_kernel)[final_run.grid(width)](
+            grad_out, wt, wt_lo, g, alpha, x_local, partials, g, n_edge, n_gated,
+            M1_BLOCK=is_m1, FINAL=True, APPLY_ALPHA=apply_alpha, SPLIT_A=False,
+            ALPHA_PARTIALS=apply_alpha, **final_run.meta,
+        )  # fmt: skip
+    grad_alpha = partials.sum(-1) / alpha if apply_alpha else torch.zeros_like(alpha)
+    if grad_u is not None:
+        g += grad_u
+
+    grads_w0, grads_w1, grads_gw = _weight_grad_buffers(args)
+    if need_weights:
+        grads_w0[n_gated], grads_w1[n_gated] = _final_layer_weight_grads(args, m0)
+
+    gz_split = u_final.new_empty((2, *u_final.shape), dtype=torch.float16)
+    # fp32 gz and the logit cotangent exist only for the weight gradients.
+    gz = torch.empty_like(u_final) if need_weights else g
+    grad_logit = u_final.new_empty((n_focus, n_edge, gate_width)) if need_weights else g
+    g_next = torch.empty_like(u_final)
+    u_above = u_final
+    for layer in reversed(range(n_gated)):
+        recover = need_weights and layer > 0
+        u_in = torch.empty_like(u_final) if recover else u0
+        wrap_triton(gate_split_bwd_kernel)[(triton.cdiv(n_edge, gate_cfg.block_m), n_focus)](
+            z_all, gws[0], gws[1], gwts[0], gwts[1], g, z_all if grad_z is None else grad_z,
+            gz_split, gz, grad_logit, u_above, u_in, n_edge, layer,
+            L=lmax, FD=focus_dim, HAS_GZ_UP=grad_z is not None, STORE_GZ=need_weights,
+            STORE_Q=need_weights, RECOVER=recover, BLOCK_M=gate_cfg.block_m,
+            BLOCK_N=gate_cfg.block_n, BLOCK_K=gate_cfg.block_k, num_warps=gate_cfg.num_warps,
+            num_stages=gate_cfg.num_stages,
+        )  # fmt: skip
+        if need_weights:
+            grads_w0[layer], grads_w1[layer] = _block_weight_grads(u_in, gz, m0)
+            grads_gw[layer] = _gate_weight_grad(z_all[layer], grad_logit, focus_dim)
+            u_above = u_in
+        for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
+            wrap_triton(block_bwd_kernel)[block_run.grid(width)](
+                gz_split, wt, wt_lo, g, alpha, g, g, g_next, n_edge, layer,
+                M1_BLOCK=is_m1, FINAL=False, APPLY_ALPHA=False, SPLIT_A=True,
+                ALPHA_PARTIALS=False, **block_run.meta,
             )  # fmt: skip
         g, g_next = g_next, g
     return g, grad_alpha, grads_w0, grads_w1, grads_gw
@@ -332,7 +409,9 @@ def _mixing_stack_bwd_op(
         None if grad_u is None else packed(grad_u),
         lmax, focus_dim, apply_alpha, need_weights,
     )  # fmt: skip
-    return _stack_backward_fused(contiguous, tier)
+    if tier is StackPrecision.FAST:
+        return _stack_backward_fast(contiguous)
+    return _stack_backward_exact(contiguous)
 
 
 @_mixing_stack_bwd_op.register_fake  # type: ignore[untyped-decorator]

@@ -155,8 +155,24 @@ def weight_operands(w: Tensor, precision: StackPrecision) -> tuple[Tensor, Tenso
 
 
 @triton.jit
+def _split_fp16x3(x):
+    """fp16 head and ``TAIL_SCALE``-scaled fp16 tail of ``ACT_PRESCALE·x`` (fp32 ``x``)."""
+    scaled = x * 0.0625
+    head = scaled.to(tl.float16)
+    tail = ((scaled - head.to(tl.float32)) * 2048.0).to(tl.float16)
+    return head, tail
+
+
+@triton.jit
+def _merge_fp16x3(head_sum, tail_sum):
+    """Undo the tail scale and the activation prescale of a compensated product."""
+    return (head_sum + tail_sum * (1.0 / 2048.0)) * 16.0
+
+
+@triton.jit
 def _tile_matmul(
     a_rows,  # (E_TILE,) pointers to A[m, 0]; A columns are contiguous
+    a_tail,  # element offset of A's fp16 tail plane from its head plane (A_SPLIT); else unused
     row_mask,
     b_ptr,  # B[0, 0] (fp32, or the fp16 head when FAST); B rows are LDB apart
     b_lo_ptr,  # fp16 tail of B when FAST (scaled by TAIL_SCALE); unused otherwise
@@ -165,11 +181,18 @@ def _tile_matmul(
     K: tl.constexpr,
     LDB: tl.constexpr,
     FAST: tl.constexpr,
+    A_SPLIT: tl.constexpr,
     K_STEP: tl.constexpr,
     E_TILE: tl.constexpr,
     C_TILE: tl.constexpr,
 ):
-    """fp32 product of the row tile ``A[:, :K]`` with the column tile ``B[:K, offs_n]``."""
+    """fp32 product of the row tile ``A[:, :K]`` with the column tile ``B[:K, offs_n]``.
+
+    ``A_SPLIT`` (fast tier only): A is stored already split, an fp16 head plane at ``a_rows`` and
+    its tail ``a_tail`` elements further, exactly as :func:`_split_fp16x3` would produce it, so
+    the tiles go to the tensor cores as loaded and the result is bit-identical to splitting fp32
+    rows here.
+    """
     hi_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
     lo_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
     for k_start in range(0, K, K_STEP):
@@ -181,9 +204,11 @@ def _tile_matmul(
         b_ok = n_mask[None, :] & k_ok[:, None]
         b = tl.load(b_ptr + b_idx, mask=b_ok, other=0.0)
         if FAST:
-            a_scaled = a * 0.0625
-            a_hi = a_scaled.to(tl.float16)
-            a_lo = ((a_scaled - a_hi.to(tl.float32)) * 2048.0).to(tl.float16)
+            if A_SPLIT:
+                a_hi = a
+                a_lo = tl.load(a_rows[:, None] + (a_tail + kk)[None, :], mask=a_ok, other=0.0)
+            else:
+                a_hi, a_lo = _split_fp16x3(a)
             b_lo = tl.load(b_lo_ptr + b_idx, mask=b_ok, other=0.0)
             hi_sum = tl.dot(a_hi, b, hi_sum)
             lo_sum = tl.dot(a_hi, b_lo, lo_sum)
@@ -191,8 +216,16 @@ def _tile_matmul(
         else:
             hi_sum = tl.dot(a, b, hi_sum, input_precision="ieee")
     if FAST:
-        hi_sum = (hi_sum + lo_sum * (1.0 / 2048.0)) * 16.0
+        hi_sum = _merge_fp16x3(hi_sum, lo_sum)
     return hi_sum
+
+
+@triton.jit
+def _store_split(head_ptrs, tail, value, mask):
+    """Store fp32 ``value`` as its fp16 head at ``head_ptrs`` and its tail ``tail`` further."""
+    head, low = _split_fp16x3(value)
+    tl.store(head_ptrs, head, mask=mask)
+    tl.store(head_ptrs + tail, low, mask=mask)
 
 
 @triton.jit
@@ -254,8 +287,8 @@ def block_fwd_kernel(
     u_rows = u_ptr + (focus * n_edge + rows) * ROW + COL0
     w_off = (layer * n_focus + focus) * WIDTH * WIDTH
     acc = _tile_matmul(
-        u_rows, row_mask, w_ptr + w_off, w_lo_ptr + w_off, cols, col_mask,
-        WIDTH, WIDTH, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
+        u_rows, 0, row_mask, w_ptr + w_off, w_lo_ptr + w_off, cols, col_mask,
+        WIDTH, WIDTH, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     mask = row_mask[:, None] & col_mask[None, :]
     u_tile = tl.load(u_rows[:, None] + cols[None, :], mask=mask, other=0.0)
@@ -317,8 +350,8 @@ def gate_fwd_kernel(
     z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW
     g_off = (layer * n_focus + focus) * FD * GWD
     logit = _tile_matmul(
-        z_rows, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-        FD, GWD, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
+        z_rows, 0, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
+        FD, GWD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     gate = tl.sigmoid(logit)
     mask = row_mask[:, None] & col_mask[None, :]
@@ -381,8 +414,8 @@ def gate_bwd_kernel(
     z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW
     g_off = (layer * n_focus + focus) * FD * GWD
     logit = _tile_matmul(
-        z_rows, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-        FD, GWD, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
+        z_rows, 0, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
+        FD, GWD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     gate = tl.sigmoid(logit)
     mask = row_mask[:, None] & col_mask[None, :]
@@ -431,8 +464,8 @@ def scalar_bwd_kernel(
     q_rows = q_ptr + (focus * n_edge + rows) * GWD
     g_off = (layer * n_focus + focus) * GWD * FD
     acc = _tile_matmul(
-        q_rows, row_mask, gwt_ptr + g_off, gwt_lo_ptr + g_off, cols, col_mask,
-        GWD, FD, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
+        q_rows, 0, row_mask, gwt_ptr + g_off, gwt_lo_ptr + g_off, cols, col_mask,
+        GWD, FD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     mask = row_mask[:, None] & col_mask[None, :]
     z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW
@@ -449,11 +482,14 @@ def scalar_bwd_kernel(
 
 @triton.jit
 def block_bwd_kernel(
-    a_ptr,  # (F, E, ROW) pre-activation cotangent; (E, F, ROW) output cotangent when FINAL
+    a_ptr,  # (F, E, ROW) pre-activation cotangent (fp32, or fp16 head plane when SPLIT_A);
+    # (E, F, ROW) output cotangent when FINAL
     wt_ptr,  # (NL, F, W, W) transposed block weights (fp16 head when FAST)
     wt_lo_ptr,
     res_ptr,  # (F, E, ROW) cotangent of the layer output (not read when FINAL)
     alpha_ptr,  # (E, F)
+    x_ptr,  # (E, F, ROW) the forward's x_local (ALPHA_PARTIALS)
+    part_ptr,  # (E, F, NT) out: per column tile, Σ grad·x_local over its columns (ALPHA_PARTIALS)
     out_ptr,  # (F, E, ROW) out: cotangent of the layer input
     n_edge,
     layer,
@@ -462,6 +498,8 @@ def block_bwd_kernel(
     M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
+    SPLIT_A: tl.constexpr,
+    ALPHA_PARTIALS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -470,32 +508,141 @@ def block_bwd_kernel(
     """Residual backward of one block: ``g_in = g_out + gz @ Wᵀ``.
 
     For the final identity layer (``FINAL``) ``gz = g_out = alpha·grad`` is read edge-major and
-    alpha is applied after the product: ``g_in = alpha·(grad + grad @ Wᵀ)``.
+    alpha is applied after the product: ``g_in = alpha·(grad + grad @ Wᵀ)``. ``ALPHA_PARTIALS``
+    also leaves this tile's share of ``Σ_c grad·x_local`` for the alpha gradient; the m=0 block
+    fills slots ``[0, NT0)``, the |m|=1 block the next ``NT1``, and the caller sums the slots.
+    ``SPLIT_A`` (fast tier) reads ``gz`` as the head/tail planes of :func:`_store_split`.
     """
     GWD: tl.constexpr = L * FD
     ROW: tl.constexpr = FD + 3 * GWD
     M0: tl.constexpr = FD + GWD
     WIDTH: tl.constexpr = 2 * GWD if M1_BLOCK else M0
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
+    NT0: tl.constexpr = (M0 - 1) // BLOCK_N + 1
+    N_SLOTS: tl.constexpr = NT0 + (2 * GWD - 1) // BLOCK_N + 1
     focus, n_focus = _focus_coords()
-    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, WIDTH, BLOCK_M, BLOCK_N)
+    rows, row_mask, cols, col_mask, pid_n = _tile_coords(n_edge, WIDTH, BLOCK_M, BLOCK_N)
 
-    if FINAL:
-        a_rows = a_ptr + (rows * n_focus + focus) * ROW + COL0
-    else:
-        a_rows = a_ptr + (focus * n_edge + rows) * ROW + COL0
+    edge_rows = (rows * n_focus + focus) * ROW + COL0
+    act_rows = (focus * n_edge + rows) * ROW + COL0
+    a_rows = a_ptr + (edge_rows if FINAL else act_rows)
     w_off = (layer * n_focus + focus) * WIDTH * WIDTH
     acc = _tile_matmul(
-        a_rows, row_mask, wt_ptr + w_off, wt_lo_ptr + w_off, cols, col_mask,
-        WIDTH, WIDTH, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
+        a_rows, n_focus.to(tl.int64) * n_edge * ROW, row_mask, wt_ptr + w_off, wt_lo_ptr + w_off, cols,
+        col_mask, WIDTH, WIDTH, FAST, SPLIT_A, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     mask = row_mask[:, None] & col_mask[None, :]
-    act_rows = (focus * n_edge + rows) * ROW + COL0
     if FINAL:
-        result = tl.load(a_rows[:, None] + cols[None, :], mask=mask, other=0.0) + acc
+        grad = tl.load(a_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        result = grad + acc
         if APPLY_ALPHA:
             a = tl.load(alpha_ptr + rows * n_focus + focus, mask=row_mask, other=0.0)
             result = result * a[:, None]
+            if ALPHA_PARTIALS:
+                x_tile = tl.load(x_ptr + edge_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+                slot = pid_n + (NT0 if M1_BLOCK else 0)
+                part_at = part_ptr + (rows * n_focus + focus) * N_SLOTS + slot
+                tl.store(part_at, tl.sum(grad * x_tile, axis=1), mask=row_mask)
     else:
         result = tl.load(res_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0) + acc
     tl.store(out_ptr + act_rows[:, None] + cols[None, :], result, mask=mask)
+
+
+@triton.jit
+def gate_split_bwd_kernel(
+    z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
+    gw_ptr,  # (NG, F, FD, GWD) gate projections, fp16 head
+    gw_lo_ptr,  # fp16 tail
+    gwt_ptr,  # (NG, F, GWD, FD) transposed gate projections, fp16 head
+    gwt_lo_ptr,  # fp16 tail
+    g_ptr,  # (F, E, ROW) cotangent of the layer output
+    gzup_ptr,  # (NG, F, E, ROW) cotangent arriving on z_all itself (HAS_GZ_UP)
+    gzs_ptr,  # (2, F, E, ROW) fp16 out: cotangent of z, head plane then tail plane
+    gz_ptr,  # (F, E, ROW) out: the same cotangent in fp32 (STORE_GZ)
+    q_ptr,  # (F, E, GWD) out: cotangent of the gate logits (STORE_Q)
+    unext_ptr,  # (F, E, ROW) layer output (RECOVER)
+    uprev_ptr,  # (F, E, ROW) out: recovered layer input (RECOVER)
+    n_edge,
+    layer,
+    L: tl.constexpr,
+    FD: tl.constexpr,
+    HAS_GZ_UP: tl.constexpr,
+    STORE_GZ: tl.constexpr,
+    STORE_Q: tl.constexpr,
+    RECOVER: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Fast-tier gated-layer backward, all rows of ``BLOCK_M`` edges in one program.
+
+    Walks the gate columns ``BLOCK_N`` at a time: σ from the recomputed logits, the gated rows
+    ``gz_r = g_r·σ``, the logit cotangent ``q = Σ_r g_r z_r · σ(1-σ)``, and at once its share of
+    the scalar rows' ``q @ gwᵀ``, so ``q`` never leaves registers. Then the scalar rows
+    ``gz_s = g_s·silu'(s) + q @ gwᵀ``. ``gz`` is stored split (fp16 head and tail planes) for the
+    block GEMMs that consume it; the fp32 copy, ``q`` and the recovered input only when the
+    weight gradients need them.
+    """
+    GWD: tl.constexpr = L * FD
+    ROW: tl.constexpr = FD + 3 * GWD
+    FP: tl.constexpr = triton.next_power_of_2(FD)
+    focus, n_focus = _focus_coords()
+    rows = tl.program_id(axis=0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_edge
+    z_at = ((layer * n_focus + focus) * n_edge + rows) * ROW  # this layer's rows of z_all
+    act_at = (focus * n_edge + rows) * ROW  # the same rows of (F, E, ROW) tensors
+    tail = n_focus.to(tl.int64) * n_edge * ROW  # head plane → tail plane of gzs
+    g_off = (layer * n_focus + focus) * FD * GWD
+    sc = tl.arange(0, FP)
+    sc_mask = sc < FD
+    scalar_hi = tl.full((BLOCK_M, FP), 0.0, tl.float32)
+    scalar_lo = tl.full((BLOCK_M, FP), 0.0, tl.float32)
+    for c_start in range(0, GWD, BLOCK_N):
+        cols = c_start + tl.arange(0, BLOCK_N)
+        col_mask = cols < GWD
+        logit = _tile_matmul(
+            z_ptr + z_at, 0, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
+            FD, GWD, True, False, BLOCK_K, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        gate = tl.sigmoid(logit)
+        mask = row_mask[:, None] & col_mask[None, :]
+        dot_gz = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for r in tl.static_range(3):
+            at = cols[None, :] + (FD + GWD * r)
+            z_tile = tl.load(z_ptr + z_at[:, None] + at, mask=mask, other=0.0)
+            g_tile = tl.load(g_ptr + act_at[:, None] + at, mask=mask, other=0.0)
+            dot_gz += g_tile * z_tile
+            grad = g_tile * gate
+            if HAS_GZ_UP:
+                grad += tl.load(gzup_ptr + z_at[:, None] + at, mask=mask, other=0.0)
+            _store_split(gzs_ptr + act_at[:, None] + at, tail, grad, mask)
+            if STORE_GZ:
+                tl.store(gz_ptr + act_at[:, None] + at, grad, mask=mask)
+            if RECOVER:
+                u_tile = tl.load(unext_ptr + act_at[:, None] + at, mask=mask, other=0.0)
+                tl.store(uprev_ptr + act_at[:, None] + at, u_tile - z_tile * gate, mask=mask)
+        q = dot_gz * gate * (1.0 - gate)
+        if STORE_Q:
+            tl.store(q_ptr + (focus * n_edge + rows)[:, None] * GWD + cols[None, :], q, mask=mask)
+        # Rows beyond n_edge and columns beyond GWD hold q = 0 and add nothing below.
+        q_hi, q_lo = _split_fp16x3(q)
+        wt_at = g_off + cols[:, None] * FD + sc[None, :]
+        wt_mask = col_mask[:, None] & sc_mask[None, :]
+        wt_hi = tl.load(gwt_ptr + wt_at, mask=wt_mask, other=0.0)
+        wt_lo = tl.load(gwt_lo_ptr + wt_at, mask=wt_mask, other=0.0)
+        scalar_hi = tl.dot(q_hi, wt_hi, scalar_hi)
+        scalar_lo = tl.dot(q_hi, wt_lo, scalar_lo)
+        scalar_lo = tl.dot(q_lo, wt_hi, scalar_lo)
+    s_mask = row_mask[:, None] & sc_mask[None, :]
+    s = tl.load(z_ptr + z_at[:, None] + sc[None, :], mask=s_mask, other=0.0)
+    g_s = tl.load(g_ptr + act_at[:, None] + sc[None, :], mask=s_mask, other=0.0)
+    phi = tl.sigmoid(s)
+    grad_s = g_s * phi * (1.0 + s * (1.0 - phi)) + _merge_fp16x3(scalar_hi, scalar_lo)
+    if HAS_GZ_UP:
+        grad_s += tl.load(gzup_ptr + z_at[:, None] + sc[None, :], mask=s_mask, other=0.0)
+    _store_split(gzs_ptr + act_at[:, None] + sc[None, :], tail, grad_s, s_mask)
+    if STORE_GZ:
+        tl.store(gz_ptr + act_at[:, None] + sc[None, :], grad_s, mask=s_mask)
+    if RECOVER:
+        u_tile = tl.load(unext_ptr + act_at[:, None] + sc[None, :], mask=s_mask, other=0.0)
+        tl.store(uprev_ptr + act_at[:, None] + sc[None, :], u_tile - s * phi, mask=s_mask)
