@@ -5,14 +5,18 @@ Usage (on the GPU machine, from the repository root)::
     python benchmarks/kernels_mixing_stack.py                 # bar case + the C_wide/lmax/F grid
     python benchmarks/kernels_mixing_stack.py --cases bar     # DeePMD bar case only
     python benchmarks/kernels_mixing_stack.py --sweep         # tune tiles, write table, bench
+    python benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile  # + ms per kernel
 
 Per case and implementation: forward and forward+backward (the force path: gradients of u0 and
 alpha) in ms (``triton.testing.do_bench`` median), achieved TFLOP/s, peak memory, and the
 normwise relative error of ``x_local`` and ``grad_u0`` against float64 on sampled edges (the
 stack acts on every edge independently, so a float64 reference on sampled edges is exact
-ground truth). Results go to ``benchmarks/results/kernels_mixing_stack_<date>.json``.
+ground truth). ``--profile`` adds, per fused tier, the GPU time of every kernel in one
+forward+backward step (``kernels_ms``). Results go to
+``benchmarks/results/kernels_mixing_stack_<date>.json``.
 
-``--sweep`` times candidate launch tiles per kernel family (``fwd``, ``gate``, ``bwd``) and
+``--sweep`` times candidate launch tiles per kernel family (``fwd``, ``gate``, ``bwd``, and for
+fp16x3 ``fbwd``) and
 precision, keeps only candidates whose outputs are finite and within tolerance of float64 (some
 pipelined fp16 configurations are known to miscompile into NaN rows), and writes the winners to
 ``so2kernels/tables/mixing_stack_<gpu>.json``. Re-run it after any kernel edit.
@@ -154,6 +158,29 @@ def sampled_errors(
     }
 
 
+def kernel_profile(case: Case, fn: StackFn, ops: list[torch.Tensor]) -> dict[str, float]:
+    """GPU time per kernel name (ms, summed over its launches) of one forward+backward step."""
+    u0 = ops[0].detach().requires_grad_()
+    alpha = ops[1].detach().requires_grad_()
+    grad_out = torch.randn(case.n_edge, case.n_focus, ops[0].shape[2], device="cuda")
+
+    def step() -> None:
+        x_local = fn(u0, alpha, *ops[2:])[0]
+        torch.autograd.grad(x_local, (u0, alpha), grad_out)
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            name = event.key[:80]
+            times[name] = times.get(name, 0.0) + event.device_time_total / 1000
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def bench_impl(case: Case, fn: StackFn, ops: list[torch.Tensor]) -> dict[str, object]:
     """Times and memory of one implementation; ``{"error": ...}`` on OOM or failure."""
     u0 = ops[0].detach().requires_grad_()
@@ -202,16 +229,23 @@ def bench_impl(case: Case, fn: StackFn, ops: list[torch.Tensor]) -> dict[str, ob
 
 # Candidates per tier. The exact list keeps the default and the three tiles within 2 % of the
 # best in the first full exact sweep on the H200 (tile_sweeps_partial_h200_2026-11-29.json: every
-# exact tile lay within 16-19 ms there); the fp16x3 list explores deeper K steps and more stages,
-# where that sweep found the tier still moving.
+# exact tile lay within 16-19 ms there). The fp16x3 list holds the per-kernel winners of the
+# 2026-11-30 bar-case microbenchmark (64x128x32/4w/3s: forward and final-layer backward GEMMs;
+# 64x64x32/4w/3s: gate kernels; 128x128x64/8w/3s: split-operand backward GEMMs) and the tiles
+# within ~10 % of them.
 _EXACT_CANDIDATES = [
     TileConfig(64, 64, 32, 4, 2), TileConfig(64, 64, 16, 4, 3), TileConfig(64, 64, 32, 4, 3),
     TileConfig(64, 128, 32, 4, 2),
 ]  # fmt: skip
 _FAST_CANDIDATES = [
-    TileConfig(128, 64, 32, 8, 3), TileConfig(128, 128, 32, 8, 3), TileConfig(128, 128, 64, 8, 3),
-    TileConfig(128, 128, 64, 8, 4), TileConfig(128, 64, 64, 8, 3), TileConfig(64, 128, 64, 4, 3),
+    TileConfig(64, 128, 32, 4, 3), TileConfig(64, 64, 32, 4, 3), TileConfig(128, 128, 64, 8, 3),
+    TileConfig(128, 128, 32, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(64, 128, 64, 4, 3),
 ]  # fmt: skip
+_KINDS = {
+    StackPrecision.EXACT: ("fwd", "gate", "bwd"),
+    StackPrecision.FAST: ("fwd", "gate", "bwd", "fbwd"),
+}
+"""Kernel families per tier (see ``so2kernels.mixing_stack_kernels.table_key``)."""
 
 
 def _write_table(path: Path, configs: dict[str, list[int]], meta: dict[str, object]) -> None:
@@ -272,7 +306,7 @@ def sweep(
         ops = make_operands(case, seed=1)
         for precision in precisions:
             candidates = _FAST_CANDIDATES if precision is StackPrecision.FAST else _EXACT_CANDIDATES
-            for kind in ("fwd", "gate", "bwd"):
+            for kind in _KINDS[precision]:
                 key = table_key(kind, focus_dim, lmax, precision)
                 best: tuple[float, TileConfig] | None = None
                 for cfg in candidates:
@@ -297,6 +331,9 @@ def main() -> None:
     parser.add_argument("--cases", choices=("bar", "all"), default="all")
     parser.add_argument("--edges", type=int, default=1_000_000, help="E of the grid cases")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(reference)")
+    parser.add_argument(
+        "--profile", action="store_true", help="also record per-kernel ms of the fused tiers"
+    )
     parser.add_argument("--sweep", action="store_true", help="tune tiles first (writes the table)")
     parser.add_argument("--sweep-edges", type=int, default=262_144)
     parser.add_argument(
@@ -335,6 +372,8 @@ def main() -> None:
         row: dict[str, object] = {"case": case.name, **case.__dict__}
         for name, fn in implementations(case, not args.no_compile).items():
             result = bench_impl(case, fn, ops)
+            if args.profile and name.startswith("fused") and "error" not in result:
+                result["kernels_ms"] = kernel_profile(case, fn, ops)
             row[name] = result
             print(case.name, name, json.dumps(result), flush=True)
         exact = row["fused_exact"]

@@ -38,12 +38,15 @@ from so2kernels._dispatch import require_fp32, use_triton
 from so2kernels._layout import block_widths
 from so2kernels.gated_act import gated_act_backward_reference, gated_act_reference
 from so2kernels.mixing_stack_kernels import (
+    ACT_PRESCALE,
+    TAIL_SCALE,
     StackPrecision,
     TileConfig,
     block_bwd_kernel,
     gate_bwd_kernel,
-    gate_split_bwd_kernel,
+    gate_bwd_split_kernel,
     scalar_bwd_kernel,
+    scalar_bwd_split_kernel,
     tile_config,
     weight_operands,
 )
@@ -215,7 +218,7 @@ class _Launcher:
 
     def slots(self, m0: int, m1: int) -> int:
         """Column tiles of both blocks: the per-edge partial slots of ``ALPHA_PARTIALS``."""
-        return triton.cdiv(m0, self.cfg.block_n) + triton.cdiv(m1, self.cfg.block_n)
+        return int(triton.cdiv(m0, self.cfg.block_n) + triton.cdiv(m1, self.cfg.block_n))
 
 
 _NO_PARTIALS = {"SPLIT_A": False, "ALPHA_PARTIALS": False}
@@ -297,9 +300,10 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     Final layer: both residual GEMMs read the edge-major output cotangent and split it in
     registers; they also leave per-tile shares of ``Σ grad·x_local``, so the alpha gradient costs
     one extra read of ``x_local`` instead of an ATen product and reduction over two full
-    activations. Gated layer: one fused gate/scalar kernel per edge tile (the logit cotangent
-    stays in registers) that writes ``gz`` already split into fp16 head/tail planes (the bytes of
-    one fp32 copy), then the two residual GEMMs read those planes straight into the tensor cores.
+    activations. Gated layer: the gate and scalar kernels add any ``z_all`` cotangent and store
+    ``gz`` already split into fp16 head/tail planes (the bytes of one fp32 copy, exactly the
+    split the GEMM would make), so the two residual GEMMs feed those planes to the tensor cores
+    as loaded instead of re-splitting ``gz`` once per output-column tile.
     """
     (grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
      lmax, focus_dim, apply_alpha, need_weights) = args  # fmt: skip
@@ -308,7 +312,7 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     precision = StackPrecision.FAST
     final_run = _Launcher.of("fbwd", args, precision)
     block_run = _Launcher.of("bwd", args, precision)
-    gate_cfg = tile_config("gbwd", focus_dim, lmax, precision, u0.device)
+    gate_run = _Launcher.of("gate", args, precision)
     w0t = weight_operands(w0_all.transpose(2, 3), precision)
     w1t = weight_operands(w1_all.transpose(2, 3), precision)
     gws = weight_operands(gw_all, precision)
@@ -332,23 +336,26 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
         grads_w0[n_gated], grads_w1[n_gated] = _final_layer_weight_grads(args, m0)
 
     gz_split = u_final.new_empty((2, *u_final.shape), dtype=torch.float16)
-    # fp32 gz and the logit cotangent exist only for the weight gradients.
-    gz = torch.empty_like(u_final) if need_weights else g
-    grad_logit = u_final.new_empty((n_focus, n_edge, gate_width)) if need_weights else g
+    grad_logit = u_final.new_empty((n_focus, n_edge, gate_width))
     g_next = torch.empty_like(u_final)
+    gate_meta = {k: v for k, v in gate_run.meta.items() if k != "FAST"}
     u_above = u_final
     for layer in reversed(range(n_gated)):
         recover = need_weights and layer > 0
         u_in = torch.empty_like(u_final) if recover else u0
-        wrap_triton(gate_split_bwd_kernel)[(triton.cdiv(n_edge, gate_cfg.block_m), n_focus)](
-            z_all, gws[0], gws[1], gwts[0], gwts[1], g, z_all if grad_z is None else grad_z,
-            gz_split, gz, grad_logit, u_above, u_in, n_edge, layer,
-            L=lmax, FD=focus_dim, HAS_GZ_UP=grad_z is not None, STORE_GZ=need_weights,
-            STORE_Q=need_weights, RECOVER=recover, BLOCK_M=gate_cfg.block_m,
-            BLOCK_N=gate_cfg.block_n, BLOCK_K=gate_cfg.block_k, num_warps=gate_cfg.num_warps,
-            num_stages=gate_cfg.num_stages,
+        gz_up = z_all if grad_z is None else grad_z  # z_all: an unread stand-in
+        wrap_triton(gate_bwd_split_kernel)[gate_run.grid(gate_width)](
+            z_all, gws[0], gws[1], g, gz_up, gz_split, grad_logit, u_above, u_in, n_edge, layer,
+            HAS_GZ_UP=grad_z is not None, RECOVER=recover, **gate_meta,
+        )  # fmt: skip
+        wrap_triton(scalar_bwd_split_kernel)[gate_run.grid(focus_dim)](
+            grad_logit, gwts[0], gwts[1], z_all, g, gz_up, gz_split, u_above, u_in, n_edge, layer,
+            HAS_GZ_UP=grad_z is not None, RECOVER=recover, **gate_meta,
         )  # fmt: skip
         if need_weights:
+            # The planes hold gz to within 2^-22 relative (11 + 11 significant bits), the fast
+            # tier's own resolution: the weight gradients contract against their merge.
+            gz = (gz_split[0].float() + gz_split[1].float() / TAIL_SCALE) / ACT_PRESCALE
             grads_w0[layer], grads_w1[layer] = _block_weight_grads(u_in, gz, m0)
             grads_gw[layer] = _gate_weight_grad(z_all[layer], grad_logit, focus_dim)
             u_above = u_in

@@ -22,7 +22,10 @@ Precision tiers (``FAST`` constexpr):
   stored scaled by ``2^11`` (so they do not underflow fp16) and activations are scaled by
   ``2^-4`` before the split (so large residual-stream values do not overflow the fp16 head); both
   scales are powers of two and undone exactly. Weight splits are prepared once per call by
-  :func:`split_fp16x3`; activation splits happen in registers.
+  :func:`split_fp16x3`; activation splits happen in registers, once per output-column tile,
+  except for the backward's pre-activation cotangent: the gate kernels that produce it store it
+  split (fp16 head and tail planes, the bytes of one fp32 copy) and the residual GEMMs load those
+  planes as their A operand (``SPLIT_A``), bit-identical to splitting in registers.
 """
 
 # Triton kernels take untyped pointer/constexpr arguments and @triton.jit is an untyped decorator.
@@ -115,7 +118,12 @@ def _load_table(gpu_key: str) -> dict[str, list[int]]:
 
 
 def table_key(kind: str, focus_dim: int, lmax: int, precision: StackPrecision) -> str:
-    """Key of one table entry, e.g. ``"fwd|cf128|l2|ieee"`` (kind: ``fwd``, ``bwd``, ``gate``)."""
+    """Key of one table entry, e.g. ``"fwd|cf128|l2|ieee"``.
+
+    Kinds: ``fwd`` (forward block GEMMs), ``gate`` (gate GEMMs of the forward, and of the exact
+    backward), ``bwd`` (residual GEMMs of the gated layers' backward); fast tier only: ``fbwd``
+    (the final layer's residual GEMMs, which split their fp32 operand in registers).
+    """
     return f"{kind}|cf{focus_dim}|l{lmax}|{precision.value}"
 
 
@@ -383,6 +391,58 @@ def gate_fwd_kernel(
 
 
 @triton.jit
+def _store_cotangent(ptrs, tail, value, mask, SPLIT: tl.constexpr):
+    """fp32 store, or (``SPLIT``) the head/tail planes of :func:`_store_split`."""
+    if SPLIT:
+        _store_split(ptrs, tail, value, mask)
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def _gate_rows_bwd(
+    z_ptr, gw_ptr, gw_lo_ptr, g_ptr, gzup_ptr, gz_ptr, q_ptr, unext_ptr, uprev_ptr, n_edge,
+    layer, L: tl.constexpr, FD: tl.constexpr, HAS_GZ_UP: tl.constexpr, SPLIT_GZ: tl.constexpr,
+    RECOVER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Body of :func:`gate_bwd_kernel` and :func:`gate_bwd_split_kernel` (operands there)."""
+    GWD: tl.constexpr = L * FD
+    ROW: tl.constexpr = FD + 3 * GWD
+    focus, n_focus = _focus_coords()
+    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, GWD, BLOCK_M, BLOCK_N)
+
+    z_at = ((layer * n_focus + focus) * n_edge + rows) * ROW
+    g_off = (layer * n_focus + focus) * FD * GWD
+    logit = _tile_matmul(
+        z_ptr + z_at, 0, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
+        FD, GWD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    gate = tl.sigmoid(logit)
+    mask = row_mask[:, None] & col_mask[None, :]
+    act_rows = (focus * n_edge + rows) * ROW
+    tail = n_focus.to(tl.int64) * n_edge * ROW
+    dot_gz = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for r in tl.static_range(3):
+        shift = FD + GWD * r
+        at = act_rows[:, None] + (cols + shift)[None, :]
+        z_tile = tl.load(z_ptr + z_at[:, None] + (cols + shift)[None, :], mask=mask, other=0.0)
+        g_tile = tl.load(g_ptr + at, mask=mask, other=0.0)
+        dot_gz += g_tile * z_tile
+        grad = g_tile * gate
+        if HAS_GZ_UP:
+            grad += tl.load(
+                gzup_ptr + z_at[:, None] + (cols + shift)[None, :], mask=mask, other=0.0
+            )
+        _store_cotangent(gz_ptr + at, tail, grad, mask, SPLIT_GZ)
+        if RECOVER:
+            u_tile = tl.load(unext_ptr + at, mask=mask, other=0.0)
+            tl.store(uprev_ptr + at, u_tile - z_tile * gate, mask=mask)
+    q_rows = q_ptr + (focus * n_edge + rows) * GWD
+    tl.store(q_rows[:, None] + cols[None, :], dot_gz * gate * (1.0 - gate), mask=mask)
+
+
+@triton.jit
 def gate_bwd_kernel(
     z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
     gw_ptr,  # (NG, F, FD, GWD) (fp16 head when FAST)
@@ -406,33 +466,72 @@ def gate_bwd_kernel(
 
     With ``RECOVER`` it also walks the residual back, ``u_prev = u_next - z·σ`` on the gated rows.
     """
+    _gate_rows_bwd(
+        z_ptr, gw_ptr, gw_lo_ptr, g_ptr, z_ptr, gz_ptr, q_ptr, unext_ptr, uprev_ptr, n_edge,
+        layer, L, FD, False, False, RECOVER, BLOCK_K, BLOCK_N, BLOCK_M, FAST,
+    )  # fmt: skip
+
+
+@triton.jit
+def gate_bwd_split_kernel(
+    z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
+    gw_ptr,  # (NG, F, FD, GWD) fp16 head
+    gw_lo_ptr,  # fp16 tail
+    g_ptr,  # (F, E, ROW) cotangent of the activation output
+    gzup_ptr,  # (NG, F, E, ROW) cotangent arriving on z_all itself (HAS_GZ_UP)
+    gzs_ptr,  # (2, F, E, ROW) fp16 out: cotangent of z, head plane then tail plane; gated rows
+    q_ptr,  # (F, E, GWD) out: cotangent of the gate logits
+    unext_ptr,  # (F, E, ROW) layer output (RECOVER)
+    uprev_ptr,  # (F, E, ROW) out: recovered layer input, gated rows (RECOVER)
+    n_edge,
+    layer,
+    L: tl.constexpr,
+    FD: tl.constexpr,
+    HAS_GZ_UP: tl.constexpr,
+    RECOVER: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Fast-tier :func:`gate_bwd_kernel`: adds the z_all cotangent, stores ``gz`` split."""
+    _gate_rows_bwd(
+        z_ptr, gw_ptr, gw_lo_ptr, g_ptr, gzup_ptr, gzs_ptr, q_ptr, unext_ptr, uprev_ptr, n_edge,
+        layer, L, FD, HAS_GZ_UP, True, RECOVER, BLOCK_K, BLOCK_N, BLOCK_M, True,
+    )  # fmt: skip
+
+
+@triton.jit
+def _scalar_rows_bwd(
+    q_ptr, gwt_ptr, gwt_lo_ptr, z_ptr, g_ptr, gzup_ptr, gz_ptr, unext_ptr, uprev_ptr, n_edge,
+    layer, L: tl.constexpr, FD: tl.constexpr, HAS_GZ_UP: tl.constexpr, SPLIT_GZ: tl.constexpr,
+    RECOVER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Body of :func:`scalar_bwd_kernel` and :func:`scalar_bwd_split_kernel`."""
     GWD: tl.constexpr = L * FD
     ROW: tl.constexpr = FD + 3 * GWD
     focus, n_focus = _focus_coords()
-    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, GWD, BLOCK_M, BLOCK_N)
+    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, FD, BLOCK_M, BLOCK_N)
 
-    z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW
-    g_off = (layer * n_focus + focus) * FD * GWD
-    logit = _tile_matmul(
-        z_rows, 0, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-        FD, GWD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-    gate = tl.sigmoid(logit)
-    mask = row_mask[:, None] & col_mask[None, :]
-    act_rows = (focus * n_edge + rows) * ROW
-    dot_gz = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for r in tl.static_range(3):
-        shift = FD + GWD * r
-        at = act_rows[:, None] + (cols + shift)[None, :]
-        z_tile = tl.load(z_rows[:, None] + (cols + shift)[None, :], mask=mask, other=0.0)
-        g_tile = tl.load(g_ptr + at, mask=mask, other=0.0)
-        dot_gz += g_tile * z_tile
-        tl.store(gz_ptr + at, g_tile * gate, mask=mask)
-        if RECOVER:
-            u_tile = tl.load(unext_ptr + at, mask=mask, other=0.0)
-            tl.store(uprev_ptr + at, u_tile - z_tile * gate, mask=mask)
     q_rows = q_ptr + (focus * n_edge + rows) * GWD
-    tl.store(q_rows[:, None] + cols[None, :], dot_gz * gate * (1.0 - gate), mask=mask)
+    g_off = (layer * n_focus + focus) * GWD * FD
+    acc = _tile_matmul(
+        q_rows, 0, row_mask, gwt_ptr + g_off, gwt_lo_ptr + g_off, cols, col_mask,
+        GWD, FD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    mask = row_mask[:, None] & col_mask[None, :]
+    z_at = ((layer * n_focus + focus) * n_edge + rows)[:, None] * ROW + cols[None, :]
+    act_at = ((focus * n_edge + rows) * ROW)[:, None] + cols[None, :]
+    s = tl.load(z_ptr + z_at, mask=mask, other=0.0)
+    g_tile = tl.load(g_ptr + act_at, mask=mask, other=0.0)
+    phi = tl.sigmoid(s)
+    grad = g_tile * phi * (1.0 + s * (1.0 - phi)) + acc
+    if HAS_GZ_UP:
+        grad += tl.load(gzup_ptr + z_at, mask=mask, other=0.0)
+    _store_cotangent(gz_ptr + act_at, n_focus.to(tl.int64) * n_edge * ROW, grad, mask, SPLIT_GZ)
+    if RECOVER:
+        u_tile = tl.load(unext_ptr + act_at, mask=mask, other=0.0)
+        tl.store(uprev_ptr + act_at, u_tile - s * phi, mask=mask)
 
 
 @triton.jit
@@ -456,28 +555,38 @@ def scalar_bwd_kernel(
     FAST: tl.constexpr,
 ):
     """Scalar-row backward ``gz_s = g_s·silu'(s) + q @ gwᵀ``; ``u_prev = u_next - silu(s)``."""
-    GWD: tl.constexpr = L * FD
-    ROW: tl.constexpr = FD + 3 * GWD
-    focus, n_focus = _focus_coords()
-    rows, row_mask, cols, col_mask, _pid_n = _tile_coords(n_edge, FD, BLOCK_M, BLOCK_N)
-
-    q_rows = q_ptr + (focus * n_edge + rows) * GWD
-    g_off = (layer * n_focus + focus) * GWD * FD
-    acc = _tile_matmul(
-        q_rows, 0, row_mask, gwt_ptr + g_off, gwt_lo_ptr + g_off, cols, col_mask,
-        GWD, FD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
+    _scalar_rows_bwd(
+        q_ptr, gwt_ptr, gwt_lo_ptr, z_ptr, g_ptr, z_ptr, gz_ptr, unext_ptr, uprev_ptr, n_edge,
+        layer, L, FD, False, False, RECOVER, BLOCK_K, BLOCK_N, BLOCK_M, FAST,
     )  # fmt: skip
-    mask = row_mask[:, None] & col_mask[None, :]
-    z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW
-    act_rows = (focus * n_edge + rows) * ROW
-    s = tl.load(z_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-    g_tile = tl.load(g_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-    phi = tl.sigmoid(s)
-    grad = g_tile * phi * (1.0 + s * (1.0 - phi)) + acc
-    tl.store(gz_ptr + act_rows[:, None] + cols[None, :], grad, mask=mask)
-    if RECOVER:
-        u_tile = tl.load(unext_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-        tl.store(uprev_ptr + act_rows[:, None] + cols[None, :], u_tile - s * phi, mask=mask)
+
+
+@triton.jit
+def scalar_bwd_split_kernel(
+    q_ptr,  # (F, E, GWD) gate-logit cotangent
+    gwt_ptr,  # (NG, F, GWD, FD) transposed gate projections, fp16 head
+    gwt_lo_ptr,  # fp16 tail
+    z_ptr,  # (NG, F, E, ROW) pre-activations
+    g_ptr,  # (F, E, ROW) cotangent of the activation output
+    gzup_ptr,  # (NG, F, E, ROW) cotangent arriving on z_all itself (HAS_GZ_UP)
+    gzs_ptr,  # (2, F, E, ROW) fp16 out: split cotangent of z, scalar rows
+    unext_ptr,  # (F, E, ROW) layer output (RECOVER)
+    uprev_ptr,  # (F, E, ROW) out: recovered layer input, scalar rows (RECOVER)
+    n_edge,
+    layer,
+    L: tl.constexpr,
+    FD: tl.constexpr,
+    HAS_GZ_UP: tl.constexpr,
+    RECOVER: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Fast-tier :func:`scalar_bwd_kernel`: adds the z_all cotangent, stores ``gz`` split."""
+    _scalar_rows_bwd(
+        q_ptr, gwt_ptr, gwt_lo_ptr, z_ptr, g_ptr, gzup_ptr, gzs_ptr, unext_ptr, uprev_ptr, n_edge,
+        layer, L, FD, HAS_GZ_UP, True, RECOVER, BLOCK_K, BLOCK_N, BLOCK_M, True,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -527,9 +636,10 @@ def block_bwd_kernel(
     act_rows = (focus * n_edge + rows) * ROW + COL0
     a_rows = a_ptr + (edge_rows if FINAL else act_rows)
     w_off = (layer * n_focus + focus) * WIDTH * WIDTH
+    tail = n_focus.to(tl.int64) * n_edge * ROW  # head plane → tail plane (SPLIT_A)
     acc = _tile_matmul(
-        a_rows, n_focus.to(tl.int64) * n_edge * ROW, row_mask, wt_ptr + w_off, wt_lo_ptr + w_off, cols,
-        col_mask, WIDTH, WIDTH, FAST, SPLIT_A, BLOCK_K, BLOCK_M, BLOCK_N,
+        a_rows, tail, row_mask, wt_ptr + w_off, wt_lo_ptr + w_off, cols, col_mask,
+        WIDTH, WIDTH, FAST, SPLIT_A, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     mask = row_mask[:, None] & col_mask[None, :]
     if FINAL:
@@ -546,103 +656,3 @@ def block_bwd_kernel(
     else:
         result = tl.load(res_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0) + acc
     tl.store(out_ptr + act_rows[:, None] + cols[None, :], result, mask=mask)
-
-
-@triton.jit
-def gate_split_bwd_kernel(
-    z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
-    gw_ptr,  # (NG, F, FD, GWD) gate projections, fp16 head
-    gw_lo_ptr,  # fp16 tail
-    gwt_ptr,  # (NG, F, GWD, FD) transposed gate projections, fp16 head
-    gwt_lo_ptr,  # fp16 tail
-    g_ptr,  # (F, E, ROW) cotangent of the layer output
-    gzup_ptr,  # (NG, F, E, ROW) cotangent arriving on z_all itself (HAS_GZ_UP)
-    gzs_ptr,  # (2, F, E, ROW) fp16 out: cotangent of z, head plane then tail plane
-    gz_ptr,  # (F, E, ROW) out: the same cotangent in fp32 (STORE_GZ)
-    q_ptr,  # (F, E, GWD) out: cotangent of the gate logits (STORE_Q)
-    unext_ptr,  # (F, E, ROW) layer output (RECOVER)
-    uprev_ptr,  # (F, E, ROW) out: recovered layer input (RECOVER)
-    n_edge,
-    layer,
-    L: tl.constexpr,
-    FD: tl.constexpr,
-    HAS_GZ_UP: tl.constexpr,
-    STORE_GZ: tl.constexpr,
-    STORE_Q: tl.constexpr,
-    RECOVER: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """Fast-tier gated-layer backward, all rows of ``BLOCK_M`` edges in one program.
-
-    Walks the gate columns ``BLOCK_N`` at a time: σ from the recomputed logits, the gated rows
-    ``gz_r = g_r·σ``, the logit cotangent ``q = Σ_r g_r z_r · σ(1-σ)``, and at once its share of
-    the scalar rows' ``q @ gwᵀ``, so ``q`` never leaves registers. Then the scalar rows
-    ``gz_s = g_s·silu'(s) + q @ gwᵀ``. ``gz`` is stored split (fp16 head and tail planes) for the
-    block GEMMs that consume it; the fp32 copy, ``q`` and the recovered input only when the
-    weight gradients need them.
-    """
-    GWD: tl.constexpr = L * FD
-    ROW: tl.constexpr = FD + 3 * GWD
-    FP: tl.constexpr = triton.next_power_of_2(FD)
-    focus, n_focus = _focus_coords()
-    rows = tl.program_id(axis=0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_edge
-    z_at = ((layer * n_focus + focus) * n_edge + rows) * ROW  # this layer's rows of z_all
-    act_at = (focus * n_edge + rows) * ROW  # the same rows of (F, E, ROW) tensors
-    tail = n_focus.to(tl.int64) * n_edge * ROW  # head plane → tail plane of gzs
-    g_off = (layer * n_focus + focus) * FD * GWD
-    sc = tl.arange(0, FP)
-    sc_mask = sc < FD
-    scalar_hi = tl.full((BLOCK_M, FP), 0.0, tl.float32)
-    scalar_lo = tl.full((BLOCK_M, FP), 0.0, tl.float32)
-    for c_start in range(0, GWD, BLOCK_N):
-        cols = c_start + tl.arange(0, BLOCK_N)
-        col_mask = cols < GWD
-        logit = _tile_matmul(
-            z_ptr + z_at, 0, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-            FD, GWD, True, False, BLOCK_K, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        gate = tl.sigmoid(logit)
-        mask = row_mask[:, None] & col_mask[None, :]
-        dot_gz = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for r in tl.static_range(3):
-            at = cols[None, :] + (FD + GWD * r)
-            z_tile = tl.load(z_ptr + z_at[:, None] + at, mask=mask, other=0.0)
-            g_tile = tl.load(g_ptr + act_at[:, None] + at, mask=mask, other=0.0)
-            dot_gz += g_tile * z_tile
-            grad = g_tile * gate
-            if HAS_GZ_UP:
-                grad += tl.load(gzup_ptr + z_at[:, None] + at, mask=mask, other=0.0)
-            _store_split(gzs_ptr + act_at[:, None] + at, tail, grad, mask)
-            if STORE_GZ:
-                tl.store(gz_ptr + act_at[:, None] + at, grad, mask=mask)
-            if RECOVER:
-                u_tile = tl.load(unext_ptr + act_at[:, None] + at, mask=mask, other=0.0)
-                tl.store(uprev_ptr + act_at[:, None] + at, u_tile - z_tile * gate, mask=mask)
-        q = dot_gz * gate * (1.0 - gate)
-        if STORE_Q:
-            tl.store(q_ptr + (focus * n_edge + rows)[:, None] * GWD + cols[None, :], q, mask=mask)
-        # Rows beyond n_edge and columns beyond GWD hold q = 0 and add nothing below.
-        q_hi, q_lo = _split_fp16x3(q)
-        wt_at = g_off + cols[:, None] * FD + sc[None, :]
-        wt_mask = col_mask[:, None] & sc_mask[None, :]
-        wt_hi = tl.load(gwt_ptr + wt_at, mask=wt_mask, other=0.0)
-        wt_lo = tl.load(gwt_lo_ptr + wt_at, mask=wt_mask, other=0.0)
-        scalar_hi = tl.dot(q_hi, wt_hi, scalar_hi)
-        scalar_lo = tl.dot(q_hi, wt_lo, scalar_lo)
-        scalar_lo = tl.dot(q_lo, wt_hi, scalar_lo)
-    s_mask = row_mask[:, None] & sc_mask[None, :]
-    s = tl.load(z_ptr + z_at[:, None] + sc[None, :], mask=s_mask, other=0.0)
-    g_s = tl.load(g_ptr + act_at[:, None] + sc[None, :], mask=s_mask, other=0.0)
-    phi = tl.sigmoid(s)
-    grad_s = g_s * phi * (1.0 + s * (1.0 - phi)) + _merge_fp16x3(scalar_hi, scalar_lo)
-    if HAS_GZ_UP:
-        grad_s += tl.load(gzup_ptr + z_at[:, None] + sc[None, :], mask=s_mask, other=0.0)
-    _store_split(gzs_ptr + act_at[:, None] + sc[None, :], tail, grad_s, s_mask)
-    if STORE_GZ:
-        tl.store(gz_ptr + act_at[:, None] + sc[None, :], grad_s, mask=s_mask)
-    if RECOVER:
-        u_tile = tl.load(unext_ptr + act_at[:, None] + sc[None, :], mask=s_mask, other=0.0)
-        tl.store(uprev_ptr + act_at[:, None] + sc[None, :], u_tile - s * phi, mask=s_mask)

@@ -234,6 +234,48 @@ def test_backward_op_weight_grads_match_autograd() -> None:
         assert_normwise_close(g, w, 2e-6)
 
 
+@pytest.mark.parametrize(
+    ("lmax", "focus_dim", "n_focus", "n_layers", "apply_alpha"),
+    [(2, 32, 2, 3, True), (1, 96, 1, 2, False), (2, 64, 1, 1, True)],
+)
+def test_fast_backward_op_every_input(
+    poisoned_alloc: None,  # noqa: F811
+    lmax: int,
+    focus_dim: int,
+    n_focus: int,
+    n_layers: int,
+    apply_alpha: bool,
+) -> None:
+    """The fp16x3 traversal with weight gradients and cotangents on all three outputs (split
+    cotangent planes, in-kernel z_all cotangent, alpha partials) against float64 autograd."""
+    ops = make_operands(lmax, focus_dim, n_focus, 37, n_layers, seed=19)
+    outs = so2_mixing_stack(*ops, lmax, focus_dim, apply_alpha, "fp16x3")
+    cots = [torch.randn_like(t) for t in outs]
+    grads = mixing_stack_backward(
+        cots[0], *outs, ops[1], ops[0], *ops[2:], cots[1], cots[2], lmax, focus_dim,
+        apply_alpha, True, "fp16x3",
+    )  # fmt: skip
+    mask = (True, apply_alpha, True, True, n_layers > 1)
+    ref_in = _double(ops, mask)
+    ref = mixing_stack_reference(*ref_in, lmax, focus_dim, apply_alpha)
+    loss = sum((r * c.double()).sum() for r, c in zip(ref, cots, strict=True))
+    want = torch.autograd.grad(loss, [t for t in ref_in if t.requires_grad])
+    got = [g for g, m in zip(grads, mask, strict=True) if m]
+    for g, w in zip(got, want, strict=True):
+        assert_normwise_close(g, w, 4e-6)
+    if not apply_alpha:
+        assert bool((grads[1] == 0).all())
+
+
+def test_fast_tier_zero_edges() -> None:
+    ops = _float(make_operands(2, 32, 2, 0, 3), ALL_GRADS)
+    x_local, _, _ = so2_mixing_stack(*ops, 2, 32, True, "fp16x3")
+    grads = torch.autograd.grad(x_local.sum(), ops)
+    for g, t in zip(grads, ops, strict=True):
+        assert g.shape == t.shape
+    assert all(bool((g == 0).all()) for g in grads[2:])
+
+
 # Compiled mode without a GPU: the interpreter accepts code that the compiler rejects (e.g. a
 # variable changing shape inside a runtime branch), so compile every kernel for sm_90 ahead of
 # time. Triton ships ptxas, so this runs on the CPU-only CI.
@@ -246,8 +288,13 @@ _KERNEL_POINTERS = {
     "gate_fwd_kernel": ("z", "gw", "gw_lo", "res", "sig", "out"),
     "gate_bwd_kernel": ("z", "gw", "gw_lo", "g", "gz", "q", "unext", "uprev"),
     "scalar_bwd_kernel": ("q", "gwt", "gwt_lo", "z", "g", "gz", "unext", "uprev"),
-    "block_bwd_kernel": ("a", "wt", "wt_lo", "res", "alpha", "out"),
-}
+    "block_bwd_kernel": ("a", "wt", "wt_lo", "res", "alpha", "x", "part", "out"),
+    "gate_bwd_split_kernel": ("z", "gw", "gw_lo", "g", "gzup", "gzs", "q", "unext", "uprev"),
+    "scalar_bwd_split_kernel": (
+        "q", "gwt", "gwt_lo", "z", "g", "gzup", "gzs", "unext", "uprev",
+    ),
+}  # fmt: skip
+_PLAIN_BWD = {"SPLIT_A": False, "ALPHA_PARTIALS": False}
 _KERNEL_FLAGS = {
     "block_fwd_kernel": [
         {"M1_BLOCK": m1, "FINAL": fin, "APPLY_ALPHA": True} for m1 in (0, 1) for fin in (0, 1)
@@ -259,9 +306,31 @@ _KERNEL_FLAGS = {
     "gate_bwd_kernel": [{"RECOVER": True}],
     "scalar_bwd_kernel": [{"RECOVER": True}],
     "block_bwd_kernel": [
-        {"M1_BLOCK": m1, "FINAL": fin, "APPLY_ALPHA": True} for m1 in (0, 1) for fin in (0, 1)
+        {"M1_BLOCK": m1, "FINAL": fin, "APPLY_ALPHA": True, **_PLAIN_BWD}
+        for m1 in (0, 1)
+        for fin in (0, 1)
     ],
 }
+_FAST_ONLY_VARIANTS = [
+    *(
+        ("block_bwd_kernel", {"M1_BLOCK": m1, "FINAL": 0, "APPLY_ALPHA": 0, "SPLIT_A": 1,
+                              "ALPHA_PARTIALS": 0})
+        for m1 in (0, 1)
+    ),
+    ("block_bwd_kernel", {"M1_BLOCK": 1, "FINAL": 1, "APPLY_ALPHA": 1, "SPLIT_A": 0,
+                          "ALPHA_PARTIALS": 1}),
+    *(
+        (name, {"HAS_GZ_UP": on, "RECOVER": on})
+        for name in ("gate_bwd_split_kernel", "scalar_bwd_split_kernel")
+        for on in (0, 1)
+    ),
+]  # fmt: skip
+"""The fast traversal's own kernels and variants (split cotangent planes, alpha partials)."""
+
+
+def _pointer_dtype(name: str, flags: dict[str, int], fast: bool) -> str:
+    split_plane = name == "gzs" or (name == "a" and flags.get("SPLIT_A", 0))
+    return "*fp16" if split_plane or (fast and name in _WEIGHTS) else "*fp32"
 
 
 def compile_all_for_sm90(fast: bool) -> int:
@@ -273,33 +342,40 @@ def compile_all_for_sm90(fast: bool) -> int:
     from so2kernels import mixing_stack_kernels
     from so2kernels.mixing_stack_kernels import StackPrecision, fallback_tile
 
-    cfg = fallback_tile(StackPrecision.FAST if fast else StackPrecision.EXACT)
-    weight_dtype = "*fp16" if fast else "*fp32"
+    precision = StackPrecision.FAST if fast else StackPrecision.EXACT
+    variants = [(name, flags) for name, options in _KERNEL_FLAGS.items() for flags in options]
+    if fast:
+        variants += _FAST_ONLY_VARIANTS
     n_compiled = 0
-    for kernel_name, names in _KERNEL_POINTERS.items():
-        signature = {f"{n}_ptr": weight_dtype if n in _WEIGHTS else "*fp32" for n in names}
+    for kernel_name, flags in variants:
+        kernel = getattr(mixing_stack_kernels, kernel_name)
+        cfg = fallback_tile(precision)
+        signature = {
+            f"{n}_ptr": _pointer_dtype(n, flags, fast) for n in _KERNEL_POINTERS[kernel_name]
+        }
         signature.update(_COMMON_SIG)
-        for flags in _KERNEL_FLAGS[kernel_name]:
-            consts = {
-                "L": 2, "FD": 96, "FAST": fast, **flags,
-                "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-            }  # fmt: skip
-            source = ASTSource(
-                fn=getattr(mixing_stack_kernels, kernel_name),
-                signature={**signature, **dict.fromkeys(consts, "constexpr")},
-                constexprs=consts,
-            )
-            options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-            assert compiled.asm["cubin"], kernel_name
-            n_compiled += 1
+        consts = {
+            "L": 2, "FD": 96, **flags,
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+        }  # fmt: skip
+        if "FAST" in kernel.arg_names:
+            consts["FAST"] = fast
+        source = ASTSource(
+            fn=kernel,
+            signature={**signature, **dict.fromkeys(consts, "constexpr")},
+            constexprs=consts,
+        )
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm["cubin"], kernel_name
+        n_compiled += 1
     return n_compiled
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fast", [False, True])
-def test_kernels_compile_for_sm90(fast: bool) -> None:
-    assert compiled_count("test_mixing_stack", f"compile_all_for_sm90({fast})") == 12
+@pytest.mark.parametrize(("fast", "n_variants"), [(False, 12), (True, 19)])
+def test_kernels_compile_for_sm90(fast: bool, n_variants: int) -> None:
+    assert compiled_count("test_mixing_stack", f"compile_all_for_sm90({fast})") == n_variants
 
 
 # GPU (the lead runs these on the H200)
