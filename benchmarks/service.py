@@ -6,11 +6,17 @@
 1. Per-request overhead: one periodic water box of 192, 1,536 and 12,288 atoms, energy +
    forces + stress, through the ASE calculators: ``SO2LocalCalculator`` (in process) against
    ``SO2Calculator`` (HTTP, JSON and msgpack); medians, overhead = HTTP − in-process.
-   Target: ≤ 1 ms at ≤ 1k atoms.
-2. Throughput with 192-atom structures: 1, 8 and 64 concurrent HTTP clients (spread over
-   several client processes so that Python on the client side is not the bottleneck) vs the
+   Target: ≤ 1 ms at ≤ 1k atoms. The same potential is also timed behind the engine in this
+   process (``Engine.evaluate``: admission, worker thread, host results, no HTTP), which
+   splits the overhead into the engine's share (engine − calculator) and HTTP's (round trip
+   − engine), and the worker's compute time into the same step with and without a server.
+2. Throughput with 192-atom structures: 1, 8 and 64 concurrent HTTP clients (sequential, each
+   on its own keep-alive connection in a thread, spread over several client processes so that
+   Python on the client side is not the bottleneck) vs the
    in-process potential serially (one structure per pass) and batched (64 per pass), with
-   the ratios. Target: 64 clients ≥ 80 % of in-process batched.
+   the ratios. Target: 64 clients ≥ 80 % of in-process batched. The same client counts are
+   run against the engine in this process (sequential coroutines, each validating its
+   structure as the server does): what batching reaches without HTTP.
 
 Server-side phases come with every case: the medians of each answer's
 ``provenance.timings`` (read, decode, queue, compute, handoff, total) plus the mean response
@@ -32,13 +38,20 @@ model (zeros of the right shapes), so the round trip is pure service overhead. I
 size and wire format, the round trip against the in-process path (validate → predict → host
 arrays), the server's phases as above, and each CPU stage timed alone in this process (client
 encode / decode, server parse + validation, response encode, engine admission → worker →
-result). Written to ``--out`` when given.
+result). Then the batching of 192-atom clients against a model that sleeps like a device
+pass (``SleepEvaluator``: a fixed cost plus a per-atom cost, GIL released), with gathering
+off (``--batch-window-ms 0``) and on: requests per pass and throughput against the same
+model's batched pass. Written to ``--out`` when given.
+
+``--batch-window-ms`` and ``--switch-interval-ms`` are passed to the server (its longest wait
+for returning clients, its interpreter's thread switch interval), to compare settings.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import importlib.util
 import json
@@ -52,6 +65,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -65,6 +79,7 @@ from ase.calculators.calculator import Calculator, all_changes
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from clients._connection import KeepAliveConnection  # noqa: E402
 from clients.http import (  # noqa: E402
     SO2Calculator,
     decode_response,
@@ -142,7 +157,7 @@ def calculator_step(calculator: Calculator, atoms: Atoms) -> Callable[[], object
     """One ASE evaluation as MD asks for it (cache bypassed: every call is computed)."""
 
     def step() -> object:
-        calculator.calculate(atoms, PROPERTIES, all_changes)  # type: ignore[no-untyped-call]
+        calculator.calculate(atoms, PROPERTIES, all_changes)
         return calculator.results
 
     return step
@@ -170,17 +185,118 @@ def in_process_phase(
         rows["single_ms"][str(len(atoms))] = median_ms(calculator_step(calculator, atoms), reps)
         # The part of a call that both sides pay on the host (HTTP: in the decode phase).
         rows["validate_ms"][str(len(atoms))] = median_ms(
-            lambda atoms=atoms: Structures.from_atoms([atoms]), reps
+            functools.partial(Structures.from_atoms, [atoms]), reps
         )
     frames = [water_atoms(192, seed=k) for k in range(batch)]
     serial = median_ms(in_process_step(potential, frames[:1]), repeats)
-    batched = median_ms(in_process_step(potential, frames), max(3, repeats // 4))
     rows["serial_192"] = {"pass_ms": serial, "atom_steps_per_s": 192 / (serial * 1e-3)}
-    rows[f"batched_{batch}x192"] = {
-        "pass_ms": batched,
-        "atom_steps_per_s": batch * 192 / (batched * 1e-3),
-    }
+    # Half the crowd too: the pass two alternating cohorts would each get.
+    for n in sorted({max(1, batch // 2), batch}):
+        batched = median_ms(in_process_step(potential, frames[:n]), max(3, repeats // 4))
+        rows[f"batched_{n}x192"] = {
+            "pass_ms": batched,
+            "atom_steps_per_s": n * 192 / (batched * 1e-3),
+        }
     return rows
+
+
+def make_engine(evaluator: Evaluator, metrics: Any) -> Any:
+    """An engine around ``evaluator`` with the server's default limits."""
+    from ase.data import atomic_numbers
+
+    from service.api.app import batch_limits
+    from service.api.settings import ServiceSettings
+    from service.engine import Engine, Worker
+
+    info = evaluator.info()
+    return Engine(
+        Worker(evaluator, metrics),
+        batch_limits(ServiceSettings()),
+        metrics,
+        rcut=float(info["rcut"]),
+        elements=[atomic_numbers[e] for e in info["elements"]],
+    )
+
+
+async def _engine_requests(engine: Any, atoms: Atoms, repeats: int) -> dict[str, float]:
+    """Medians (ms) of ``repeats`` sequential requests: validation + ``Engine.evaluate`` in
+    all, and the engine's phases as a server reports them."""
+    rows: list[dict[str, float]] = []
+    for k in range(repeats + 2):
+        start = time.perf_counter()
+        structures = Structures.from_atoms([atoms])
+        validated = time.perf_counter()
+        result = await engine.evaluate(structures, PROPERTIES)
+        resumed = time.perf_counter()
+        if k >= 2:  # the first two: warm-up, as for every other timing here
+            t = result.timings
+            rows.append(
+                {
+                    "total_ms": (resumed - start) * 1e3,
+                    "validate_ms": (validated - start) * 1e3,
+                    "queue_ms": t.queue_s * 1e3,
+                    "compute_ms": t.compute_s * 1e3,
+                    "handoff_ms": (resumed - t.finished_at) * 1e3,
+                }
+            )
+    return {name: statistics.median(r[name] for r in rows) for name in rows[0]}
+
+
+async def _engine_clients(engine: Any, clients: int, duration: float) -> tuple[int, float]:
+    """Requests answered to ``clients`` sequential in-process clients (each validating its
+    192-atom structure, as the server decodes it) within ``duration``, and the wall time."""
+    frames = [water_atoms(192, seed=k) for k in range(8)]
+    done = 0
+    begin = time.perf_counter()
+    stop = begin + duration
+
+    async def one(k: int) -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            structures = Structures.from_atoms([frames[k % len(frames)]])
+            await engine.evaluate(structures, PROPERTIES, client=k)
+            done += 1
+
+    await asyncio.gather(*(one(k) for k in range(clients)))
+    return done, time.perf_counter() - begin
+
+
+def engine_phase(
+    evaluator: Evaluator, sizes: list[int], repeats: int, client_counts: list[int], duration: float
+) -> dict[str, Any]:
+    """The evaluator behind an ``Engine`` in this process, with the interpreter tuned as the
+    server tunes it: per-size request phases, and the throughput of concurrent in-process
+    clients with the engine's batching (no HTTP)."""
+    from service.api.app import tuned_interpreter
+    from service.api.settings import ServiceSettings
+    from service.engine import ServiceMetrics
+
+    async def run() -> dict[str, Any]:
+        metrics = ServiceMetrics()
+        engine = make_engine(evaluator, metrics)
+        await engine.start()
+        rows: dict[str, Any] = {"requests_ms": {}, "throughput_192": {}}
+        try:
+            for n in sizes:
+                atoms = water_atoms(n)
+                reps = repeats_for(len(atoms), repeats)
+                rows["requests_ms"][str(len(atoms))] = await _engine_requests(engine, atoms, reps)
+            for clients in client_counts:
+                before = registry_totals(metrics.registry)
+                done, elapsed = await _engine_clients(engine, clients, duration)
+                after = registry_totals(metrics.registry)
+                rows["throughput_192"][str(clients)] = {
+                    "requests": done,
+                    "seconds": elapsed,
+                    "atom_steps_per_s": done * 192 / elapsed,
+                    "server": server_row(before, after),
+                }
+        finally:
+            await engine.stop()
+        return rows
+
+    with tuned_interpreter(ServiceSettings().switch_interval_ms * 1e-3):
+        return asyncio.run(run())
 
 
 def free_port() -> int:
@@ -189,9 +305,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: Path, device: str, port: int) -> subprocess.Popen[bytes]:
+def start_server(
+    model: Path, device: str, port: int, window_ms: float | None, switch_ms: float | None
+) -> subprocess.Popen[bytes]:
     inherited = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), inherited]))}
+    if switch_ms is not None:  # a setting without a flag: its environment variable
+        env["SO2SERVE_SWITCH_INTERVAL_MS"] = str(switch_ms)
     command = [
         sys.executable,
         "-m",
@@ -206,6 +326,8 @@ def start_server(model: Path, device: str, port: int) -> subprocess.Popen[bytes]
         "--log-level",
         "warning",
     ]
+    if window_ms is not None:
+        command += ["--batch-window-ms", str(window_ms)]
     server = subprocess.Popen(command, env=env)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -227,18 +349,24 @@ _SERVER_TOTALS = (
     "so2serve_batch_atoms",
     "so2serve_pass_seconds",
     "so2serve_queue_wait_seconds",
+    "so2serve_gather_wait_seconds",
 )
+_WANTED_TOTALS = {f"{name}{suffix}" for name in _SERVER_TOTALS for suffix in ("_sum", "_count")}
 
 
 def server_totals(url: str) -> dict[str, float]:
     """``_sum`` and ``_count`` of the server's unlabelled histograms in ``_SERVER_TOTALS``."""
-    wanted = {f"{name}{suffix}" for name in _SERVER_TOTALS for suffix in ("_sum", "_count")}
     totals = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         name, _, value = line.partition(" ")
-        if name in wanted:
+        if name in _WANTED_TOTALS:
             totals[name] = float(value)
     return totals
+
+
+def registry_totals(registry: Any) -> dict[str, float]:
+    """``server_totals`` of an engine in this process."""
+    return {name: registry.get_sample_value(name) or 0.0 for name in _WANTED_TOTALS}
 
 
 def mean_of(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
@@ -281,50 +409,54 @@ def http_overhead_phase(url: str, sizes: list[int], repeats: int) -> dict[str, A
     return rows
 
 
-async def _client_loop(
-    url: str, bodies: list[bytes], clients: int, duration: float
-) -> tuple[list[float], float]:
-    """Latencies of every request and the wall time until the last one came back."""
+def _sequential_client(url: str, bodies: list[bytes], first: int, stop: float) -> list[float]:
+    """One MD-like client on its own keep-alive connection (the one ``SO2Calculator`` uses):
+    the next request as soon as the answer is in, until ``stop``; its latencies."""
+    connection = KeepAliveConnection(url, 120.0, {"Accept": MSGPACK})
+    headers = {"Content-Type": MSGPACK}
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    headers = {"Content-Type": MSGPACK, "Accept": MSGPACK}
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-        begin = time.perf_counter()
-        stop = begin + duration
-
-        async def one(k: int) -> None:
-            while time.perf_counter() < stop:
-                start = time.perf_counter()
-                response = await http.post(
-                    "/evaluate", content=bodies[k % len(bodies)], headers=headers
-                )
-                response.raise_for_status()
-                latencies.append(time.perf_counter() - start)
-                k += 1
-
-        await asyncio.gather(*(one(k) for k in range(clients)))
-    return latencies, time.perf_counter() - begin
+    k = first
+    try:
+        while time.perf_counter() < stop:
+            start = time.perf_counter()
+            reply = connection.request("POST", "/evaluate", bodies[k % len(bodies)], headers)
+            if reply.status != 200:
+                raise RuntimeError(f"/evaluate answered {reply.status}: {reply.content[:200]!r}")
+            latencies.append(time.perf_counter() - start)
+            k += 1
+    finally:
+        connection.close()
+    return latencies
 
 
 def _client_process(args: tuple[str, int, float]) -> tuple[list[float], float]:
+    """``clients`` sequential clients in threads of this process (each waits in its socket
+    with the GIL released, and its Python per request is ~0.05 ms): latencies of every request
+    and the wall time until the last one came back."""
     url, clients, duration = args
     bodies = [
         encode_request([encode_structure(water_atoms(192, seed=k), True)], PROPERTIES, True)
         for k in range(8)
     ]
-    return asyncio.run(_client_loop(url, bodies, clients, duration))
+    begin = time.perf_counter()
+    stop = begin + duration
+    with ThreadPoolExecutor(clients) as pool:
+        runs = list(pool.map(lambda k: _sequential_client(url, bodies, k, stop), range(clients)))
+    return [x for run in runs for x in run], time.perf_counter() - begin
 
 
 CLIENT_PROCESSES = 8
 
 
-def throughput_phase(url: str, client_counts: list[int], duration: float) -> dict[str, Any]:
+def throughput_phase(
+    url: str, client_counts: list[int], duration: float, processes: int = CLIENT_PROCESSES
+) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     # One pool for all client counts: starting a process imports torch (seconds each).
-    with multiprocessing.get_context("spawn").Pool(CLIENT_PROCESSES) as pool:
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
         for clients in client_counts:
-            processes = min(clients, CLIENT_PROCESSES)
-            shares = [clients // processes + (k < clients % processes) for k in range(processes)]
+            used = min(clients, processes)
+            shares = [clients // used + (k < clients % used) for k in range(used)]
             before = server_totals(url)
             results = pool.map(_client_process, [(url, s, duration) for s in shares], chunksize=1)
             after = server_totals(url)
@@ -339,6 +471,7 @@ def server_row(before: dict[str, float], after: dict[str, float]) -> dict[str, f
         mean = mean_of(before, after, name)
         return None if mean is None else mean * 1e3
 
+    gathered = "so2serve_gather_wait_seconds"
     return {
         "passes": after["so2serve_pass_seconds_count"] - before["so2serve_pass_seconds_count"],
         "requests_per_pass": mean_of(before, after, "so2serve_batch_requests"),
@@ -346,6 +479,8 @@ def server_row(before: dict[str, float], after: dict[str, float]) -> dict[str, f
         "pass_ms": ms("so2serve_pass_seconds"),
         "queue_wait_ms": ms("so2serve_queue_wait_seconds"),
         "encode_ms": ms("so2serve_encode_seconds"),
+        "gathers": after[f"{gathered}_count"] - before[f"{gathered}_count"],
+        "gather_wait_ms": ms(gathered),
     }
 
 
@@ -384,19 +519,87 @@ class NullEvaluator:
         )
 
 
-def _serve_null(port: int) -> None:
+def _python_work(steps: int) -> None:
+    """Pure-Python busy work that holds the GIL (the stand-in for an eager pass's launches)."""
+    for _ in range(steps):
+        pass
+
+
+def python_steps_per_s() -> float:
+    """How many ``_python_work`` steps this interpreter runs per second, alone."""
+    steps = 2_000_000
+    start = time.perf_counter()
+    _python_work(steps)
+    return steps / (time.perf_counter() - start)
+
+
+class SleepEvaluator(NullEvaluator):
+    """A do-nothing model that takes as long as a device pass of ``fixed_s + per_atom_s·N``.
+
+    ``host_share`` of that time is Python work holding the GIL (calibrated once, so that it
+    takes longer when the thread has to wait for the GIL), in ``host_chunk_s`` slices between
+    waits that release it, like an eager pass's launches between device synchronisations; the
+    rest is spent waiting (``time.sleep``), like a thread waiting for its GPU.
+    """
+
+    def __init__(
+        self, fixed_s: float, per_atom_s: float, host_share: float, host_chunk_s: float = 0.001
+    ) -> None:
+        self.fixed_s = fixed_s
+        self.per_atom_s = per_atom_s
+        self.host_share = host_share
+        self.host_chunk_s = host_chunk_s
+        self.chunk_steps = round(python_steps_per_s() * host_chunk_s) if host_share > 0 else 0
+
+    def pass_s(self, n_atoms: int) -> float:
+        return self.fixed_s + self.per_atom_s * n_atoms
+
+    def predict(self, structures: Structures, properties: Collection[str]) -> FakePrediction:
+        total = self.pass_s(structures.n_atoms)
+        chunks = max(1, round(total * self.host_share / self.host_chunk_s))
+        wait = total * (1.0 - self.host_share) / chunks
+        for _ in range(chunks):
+            _python_work(self.chunk_steps)
+            time.sleep(wait)  # a device synchronisation: releases the GIL
+        return super().predict(structures, properties)
+
+
+H200_PASS = {"fixed_s": 0.010, "per_atom_s": 18e-6}
+"""Pass times of the default model on the H200 (13 ms for 192 atoms, 230 ms for 64×192, from
+BENCHMARKS.md): ``SleepEvaluator`` parameters of a CPU stand-in for batching studies."""
+
+
+def _serve_fake(
+    port: int, host_share: float | None, window_ms: float | None, switch_ms: float | None
+) -> None:
     import uvicorn
 
-    from service.api.app import create_app, uvicorn_options
+    from service.api import app as service_app
     from service.api.settings import ServiceSettings
 
-    settings = ServiceSettings(port=port, log_level="warning")
-    app = create_app(settings, evaluator=NullEvaluator())
-    uvicorn.run(app, **uvicorn_options(settings))  # as `so2serve serve` runs it
+    given: dict[str, Any] = {} if window_ms is None else {"batch_window_ms": window_ms}
+    if switch_ms is not None:
+        given["switch_interval_ms"] = switch_ms
+    settings = ServiceSettings(port=port, log_level="warning", **given)
+    evaluator = NullEvaluator()
+    if host_share is not None:
+        evaluator = SleepEvaluator(**H200_PASS, host_share=host_share)
+    app = service_app.create_app(settings, evaluator=evaluator)
+    uvicorn.run(app, **service_app.uvicorn_options(settings))  # as `so2serve serve` runs it
 
 
-def start_null_server(port: int) -> multiprocessing.process.BaseProcess:
-    server = multiprocessing.get_context("spawn").Process(target=_serve_null, args=(port,))
+def start_fake_server(
+    port: int,
+    *,
+    host_share: float | None = None,
+    window_ms: float | None = None,
+    switch_ms: float | None = None,
+) -> multiprocessing.process.BaseProcess:
+    """A server in its own process: the null model, or (``host_share`` given) the sleeping
+    H200 stand-in with that share of each pass holding the GIL."""
+    server = multiprocessing.get_context("spawn").Process(
+        target=_serve_fake, args=(port, host_share, window_ms, switch_ms)
+    )
     server.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -409,28 +612,37 @@ def start_null_server(port: int) -> multiprocessing.process.BaseProcess:
     raise RuntimeError("the fake-model server was not ready within 60 s")
 
 
-def engine_handoff_ms(repeats: int) -> float:
-    """Median admission → worker thread → result delivery of one 192-atom request, no HTTP."""
-    from service.engine import BatchLimits, Engine, ServiceMetrics, Worker
+BATCHING_CASES = (
+    # label, window (None: the server's default), switch interval (None: the server's), GIL share
+    ("continuous", 0.0, None, 0.0),
+    ("gathering, default bound", None, None, 0.0),
+    ("gathering ≤ 50 ms", 50.0, None, 0.0),
+    ("continuous, GIL 30 %", 0.0, None, 0.3),
+    ("continuous, GIL 30 %, 0.5 ms switch", 0.0, 0.5, 0.3),
+    ("gathering, default bound, GIL 30 %", None, None, 0.3),
+)
 
-    metrics = ServiceMetrics()
-    structures = Structures.from_atoms([water_atoms(192)])
 
-    async def run() -> float:
-        engine = Engine(
-            Worker(NullEvaluator(), metrics), BatchLimits(), metrics, rcut=6.0, elements=[1, 8]
-        )
-        await engine.start()
-        times = []
-        for k in range(repeats + 3):
-            start = time.perf_counter()
-            await engine.evaluate(structures, PROPERTIES)
-            if k >= 3:
-                times.append(time.perf_counter() - start)
-        await engine.stop()
-        return statistics.median(times) * 1e3
-
-    return asyncio.run(run())
+def batching_study(client_counts: list[int], duration: float, processes: int) -> dict[str, Any]:
+    """HTTP clients of 192-atom structures against the H200 stand-in (``BATCHING_CASES``):
+    gathering off and on, passes that only wait (GIL free) and passes that hold the GIL for
+    30 % of their time, the server's switch interval against a ten times shorter one."""
+    batch = max(client_counts)
+    batched = batch * 192 / SleepEvaluator(**H200_PASS, host_share=0.0).pass_s(batch * 192)
+    rows: dict[str, Any] = {}
+    for label, window, switch, host_share in BATCHING_CASES:
+        port = free_port()
+        server = start_fake_server(port, host_share=host_share, window_ms=window, switch_ms=switch)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            points = throughput_phase(url, client_counts, duration, processes)
+        finally:
+            server.terminate()
+            server.join(30)
+        for row in points.values():
+            row["vs_model_batched"] = row["atom_steps_per_s"] / batched
+        rows[label] = points
+    return {"model_batched_atom_steps_per_s": batched, "points": rows}
 
 
 def stage_breakdown(atoms: Atoms, binary: bool, repeats: int) -> dict[str, float]:
@@ -471,9 +683,9 @@ def stage_breakdown(atoms: Atoms, binary: bool, repeats: int) -> dict[str, float
 def fake_model_main(args: argparse.Namespace) -> None:
     sizes = args.sizes if args.sizes != list(SIZES) else [192, 1536]
     evaluator = NullEvaluator()
-    handoff = engine_handoff_ms(args.repeats)
+    engine = engine_phase(evaluator, sizes, args.repeats, [], 0.0)["requests_ms"]
     port = free_port()
-    server = start_null_server(port)
+    server = start_fake_server(port)
     rows: dict[str, Any] = {}
     url = f"http://127.0.0.1:{port}"
     local = SO2LocalCalculator(evaluator)
@@ -492,11 +704,12 @@ def fake_model_main(args: argparse.Namespace) -> None:
                     "server_ms": http["server_ms"],
                     "client_and_transport_ms": http["client_and_transport_ms"],
                     "stages_ms": stages,  # each stage alone in this process
-                    "engine_handoff_ms": handoff,
+                    "engine_in_process_ms": engine[str(len(atoms))],
                 }
     finally:
         server.terminate()
         server.join(30)
+    batching = batching_study(args.clients, args.duration, args.client_processes)
     result = {
         "benchmark": "service-overhead-cpu-fake-model",
         "date": datetime.now(UTC).isoformat(),
@@ -504,6 +717,7 @@ def fake_model_main(args: argparse.Namespace) -> None:
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "results": rows,
+        "batching_192": batching,
     }
     print(json.dumps(result, indent=2))
     print(f"{'case':>14} {'round trip':>11} {'in-process':>11} {'overhead':>9}  (ms, medians)")
@@ -512,6 +726,14 @@ def fake_model_main(args: argparse.Namespace) -> None:
             f"{key:>14} {row['round_trip_ms']:11.3f} {row['in_process_ms']:11.3f} "
             f"{row['overhead_ms']:9.3f}"
         )
+    print(f"{'clients':>8} {'/batched':>9} {'req/pass':>9} {'pass ms':>8}  (H200-like sleep model)")
+    for label, points in batching["points"].items():
+        for clients, row in points.items():
+            print(
+                f"{clients:>8} {row['vs_model_batched']:9.2f} "
+                f"{row['server']['requests_per_pass'] or 0:9.1f} "
+                f"{row['server']['pass_ms'] or 0:8.1f}  {label}"
+            )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
@@ -533,7 +755,25 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=None,
+        help="the server's longest wait for returning clients (default: its own)",
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="the server's interpreter switch interval (default: its own; CPython's is 5)",
+    )
+    parser.add_argument(
         "--fake-model", action="store_true", help="CPU overhead breakdown with a do-nothing model"
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=CLIENT_PROCESSES,
+        help="processes the throughput clients are spread over",
     )
     args = parser.parse_args()
     if args.quick:
@@ -548,6 +788,7 @@ def main() -> None:
     potential = load_potential(model, device=args.device)
     batch = max(args.clients)
     in_process = in_process_phase(potential, args.sizes, batch, args.repeats)
+    engine = engine_phase(potential, args.sizes, args.repeats, args.clients, args.duration)
     execution = vars(potential.execution)
     del potential
     gc.collect()
@@ -555,27 +796,37 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     port = free_port()
-    server = start_server(model, args.device, port)
+    server = start_server(model, args.device, port, args.batch_window_ms, args.switch_interval_ms)
     try:
         url = f"http://127.0.0.1:{port}"
         overhead = http_overhead_phase(url, args.sizes, args.repeats)
-        throughput = throughput_phase(url, args.clients, args.duration)
+        throughput = throughput_phase(url, args.clients, args.duration, args.client_processes)
     finally:
         server.terminate()
         server.wait(60)
 
     for key, row in overhead.items():
         size = key.split("/")[0]
-        row["overhead_ms"] = row["round_trip_ms"] - in_process["single_ms"][size]
+        local = in_process["single_ms"][size]
+        through_engine = engine["requests_ms"][size]
+        row["overhead_ms"] = row["round_trip_ms"] - local
+        # The overhead split: the engine's share (no HTTP) and what HTTP adds on top.
+        row["engine_minus_in_process_ms"] = through_engine["total_ms"] - local
+        row["http_minus_engine_ms"] = row["round_trip_ms"] - through_engine["total_ms"]
+        # The same worker step with and without a server around it.
+        row["server_compute_minus_engine_compute_ms"] = (
+            row["server_ms"]["compute_ms"] - through_engine["compute_ms"]
+        )
         # Device pass on the server vs the in-process call without its host validation.
         row["server_compute_minus_in_process_predict_ms"] = row["server_ms"]["compute_ms"] - (
-            in_process["single_ms"][size] - in_process["validate_ms"][size]
+            local - in_process["validate_ms"][size]
         )
     batched = in_process[f"batched_{batch}x192"]["atom_steps_per_s"]
     serial = in_process["serial_192"]["atom_steps_per_s"]
-    for row in throughput.values():
-        row["vs_in_process_batched"] = row["atom_steps_per_s"] / batched
-        row["vs_in_process_serial"] = row["atom_steps_per_s"] / serial
+    for rows in (throughput, engine["throughput_192"]):
+        for row in rows.values():
+            row["vs_in_process_batched"] = row["atom_steps_per_s"] / batched
+            row["vs_in_process_serial"] = row["atom_steps_per_s"] / serial
     result = {
         "benchmark": "service",
         "date": datetime.now(UTC).isoformat(),
@@ -587,7 +838,10 @@ def main() -> None:
         "http_stack": {name: _version(name) for name in ("uvicorn", "uvloop", "httptools")},
         "model": str(model),
         "execution": execution,
+        "server_batch_window_ms": args.batch_window_ms,
+        "server_switch_interval_ms": args.switch_interval_ms,
         "in_process": in_process,
+        "engine_in_process": engine,
         "http_overhead": overhead,
         "http_throughput_192": throughput,
         f"http{batch}_vs_in_process_batched": throughput[str(batch)]["atom_steps_per_s"] / batched,
@@ -598,20 +852,29 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
-    print_summary(overhead, throughput)
+    print_summary(overhead, throughput, engine["throughput_192"])
     print(f"wrote {out}")
 
 
-def print_summary(overhead: dict[str, Any], throughput: dict[str, Any]) -> None:
-    print(f"{'case':>14} {'HTTP':>10} {'overhead':>9}  (ms, medians; target ≤ 1 ms at ≤ 1k atoms)")
+def print_summary(
+    overhead: dict[str, Any], throughput: dict[str, Any], engine_throughput: dict[str, Any]
+) -> None:
+    print("overhead (ms, medians; target ≤ 1 ms at ≤ 1k atoms) = engine share + HTTP share")
+    print(f"{'case':>14} {'HTTP':>10} {'overhead':>9} {'engine':>8} {'HTTP':>8} {'Δcompute':>9}")
     for key, row in overhead.items():
-        print(f"{key:>14} {row['round_trip_ms']:10.3f} {row['overhead_ms']:9.3f}")
-    print(f"{'clients':>8} {'atom-steps/s':>13} {'/batched':>9} {'/serial':>8} {'p50 ms':>8}")
-    for clients, row in throughput.items():
         print(
-            f"{clients:>8} {row['atom_steps_per_s']:13.0f} {row['vs_in_process_batched']:9.2f} "
-            f"{row['vs_in_process_serial']:8.2f} {row['latency_p50_ms']:8.1f}"
+            f"{key:>14} {row['round_trip_ms']:10.3f} {row['overhead_ms']:9.3f} "
+            f"{row['engine_minus_in_process_ms']:8.3f} {row['http_minus_engine_ms']:8.3f} "
+            f"{row['server_compute_minus_engine_compute_ms']:9.3f}"
         )
+    print(f"{'clients':>8} {'atom-steps/s':>13} {'/batched':>9} {'/serial':>8} {'req/pass':>9}")
+    for name, rows in (("HTTP", throughput), ("engine", engine_throughput)):
+        for clients, row in rows.items():
+            print(
+                f"{clients:>8} {row['atom_steps_per_s']:13.0f} "
+                f"{row['vs_in_process_batched']:9.2f} {row['vs_in_process_serial']:8.2f} "
+                f"{row['server']['requests_per_pass'] or 0:9.1f}  {name}"
+            )
 
 
 def _version(package: str) -> str:

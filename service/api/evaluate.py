@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -52,6 +53,21 @@ def route_path(scope: Scope) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
+@dataclass(frozen=True)
+class _Answer:
+    payload: bytes
+    fmt: WireFormat
+    encode_s: float  # result in hand → answer encoded
+
+
+def connection_of(scope: Scope) -> tuple[str, int] | None:
+    """The client's (host, port): one keep-alive connection is one sequential client, whose
+    pace the engine learns (see ``service.engine.batcher``). None where the server has no
+    peer address (a Unix socket)."""
+    peer = scope.get("client")
+    return None if not peer else (str(peer[0]), int(peer[1]))
+
+
 class EvaluateEndpoint:
     """The ASGI app answering ``/evaluate`` for one service instance."""
 
@@ -63,30 +79,40 @@ class EvaluateEndpoint:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         request_id = request_id_from(headers.get("x-request-id"))
         extra: Mapping[str, str] = {}
+        answer: _Answer | None = None
         try:
             if scope["method"] != "POST":
                 raise ApiError(
                     405, "method_not_allowed", "Method Not Allowed", headers={"Allow": "POST"}
                 )
-            answer = await self._answer(headers, request_id, receive, started)
+            answer = await self._answer(headers, request_id, scope, receive, started)
         except Exception as exc:  # every failure becomes its JSON error answer
             error = as_api_error(exc) or internal_error(EVALUATE_PATH, exc)
             status, media = error.status, JSON_MEDIA_TYPE
             payload: bytes | None = error_body(error.code, error.message, error.detail)
             extra = error.headers
         else:
-            status, media = (200, answer[1].value) if answer else (CLIENT_CLOSED_REQUEST, "")
-            payload = answer[0] if answer else None
+            status, media = (200, answer.fmt.value) if answer else (CLIENT_CLOSED_REQUEST, "")
+            payload = answer.payload if answer else None
         try:
             if payload is not None:
                 await _respond(send, status, payload, media, request_id, extra)
         finally:
-            self._state.metrics.record_request(EVALUATE_PATH, status, time.perf_counter() - started)
+            # Metrics once the answer is out: none of this delays the client.
+            metrics = self._state.metrics
+            metrics.record_request(EVALUATE_PATH, status, time.perf_counter() - started)
+            if answer is not None:
+                metrics.encode_seconds.observe(answer.encode_s)
 
     async def _answer(
-        self, headers: Mapping[str, str], request_id: str, receive: Receive, started: float
-    ) -> tuple[bytes, WireFormat] | None:
-        """The encoded answer and its format; None if the client went away."""
+        self,
+        headers: Mapping[str, str],
+        request_id: str,
+        scope: Scope,
+        receive: Receive,
+        started: float,
+    ) -> _Answer | None:
+        """The encoded answer; None if the client went away."""
         state = self._state
         require_api_key(headers, state)
         engine = engine_when_ready(state)
@@ -102,7 +128,8 @@ class EvaluateEndpoint:
         else:
             parsed, structures = parse_evaluate(body, fmt_in)
         decoded = time.perf_counter()
-        result = await _unless_disconnected(receive, engine.submit(structures, parsed.properties))
+        evaluation = engine.submit(structures, parsed.properties, client=connection_of(scope))
+        result = await _unless_disconnected(receive, evaluation)
         if result is None:
             return None
         resumed = time.perf_counter()
@@ -119,8 +146,7 @@ class EvaluateEndpoint:
             },
         }
         payload = encode(document, fmt_out)
-        state.metrics.encode_seconds.observe(time.perf_counter() - resumed)
-        return payload, fmt_out
+        return _Answer(payload, fmt_out, time.perf_counter() - resumed)
 
 
 def _timings(

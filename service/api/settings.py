@@ -57,7 +57,16 @@ class ServiceSettings(BaseSettings):
     max_batch_edges: int = Field(
         default=2_000_000, gt=0, description="estimated-edge budget of one device pass"
     )
-    batch_window_ms: float = Field(default=5.0, ge=0, description="longest wait to fill a batch")
+    batch_window_ms: float = Field(
+        default=5.0,
+        ge=0,
+        description="longest wait for returning clients before a pass (0: never wait)",
+    )
+    switch_interval_ms: float = Field(
+        default=5.0,
+        gt=0,
+        description="CPython's thread switch interval while serving (see tuned_interpreter)",
+    )
     max_queue: int = Field(
         default=1024, gt=0, description="queued requests; above → 503 Retry-After"
     )

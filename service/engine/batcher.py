@@ -7,18 +7,29 @@ Scheduling contract:
   task: a request that finds the device idle starts its pass from ``submit`` itself, and a
   finished pass starts the next one from the callback that delivers its results. The worker
   thread runs one batch at a time and hands each result back with exactly one
-  ``call_soon_threadsafe`` (no executor future, no task wake-ups in between).
+  ``call_soon_threadsafe`` (no executor future, no task wake-ups in between; batches reach
+  the thread through a plain queue, ``worker.DeviceThread``).
 * A batch takes structures from the head of the queue while the total atoms stay within
   ``max_batch_atoms`` and the *estimated* edges within ``max_batch_edges``. A request with many
   structures may be spread over several consecutive batches; one structure above the budget
   runs alone. Results are split back per request, in request order.
 * While the device is busy, arriving requests accumulate, so the next batch forms without any
-  waiting (continuous batching). When the device is idle, the scheduler waits at most
-  ``window_s`` for more requests, and only while fewer requests are queued than the previous
-  batch held: a lone MD client never waits, a crowd of clients returning together is
-  gathered into one pass.
+  waiting (continuous batching). The one exception gathers *returning clients*: a request may
+  name its client (``submit(..., client=key)``; the API passes the TCP connection, one
+  sequential client per keep-alive connection), and the engine learns each client's pace, the
+  time from its result being delivered to its next request being admitted. When the device
+  becomes free while clients the last pass served are still on their way back (their result
+  went out, their next request has not arrived), the next pass waits for them: until all of
+  them are back, at most until each is due (``RETURN_MARGIN`` × its pace + slack), at most
+  ``GATHER_FRACTION`` of the last pass's duration and at most ``window_s``, and never once the
+  queued work fills the budget. Only clients whose pace fits that bound are waited for, so a
+  lone MD client never waits (it is the one returning), a client that thinks between steps is
+  not waited for, and a crowd of clients that would otherwise split into cohorts taking turns
+  on the device (each pass starting with whoever arrived during the previous one) is gathered
+  into one pass. ``window_s = 0`` turns gathering off.
 * A request whose client goes away is dropped if none of it has started; a batch already on
-  the device finishes and that request's share is discarded. Nobody else is affected.
+  the device finishes and that request's share is discarded. Nobody else is affected, and the
+  engine stops waiting for that client.
 """
 
 from __future__ import annotations
@@ -29,9 +40,8 @@ import logging
 import math
 import re
 import time
-from collections import deque
-from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict, deque
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,7 +55,7 @@ from service.engine.errors import (
     TooManyAtomsError,
 )
 from service.engine.metrics import ServiceMetrics
-from service.engine.worker import BatchOutput, Worker, select_structures
+from service.engine.worker import BatchOutput, DeviceThread, Worker, select_structures
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import MAX_ATOMIC_NUMBER, Structures
 
@@ -55,6 +65,25 @@ REFERENCE_DENSITY = 0.1
 """Atoms per Å³ assumed where a structure has no full periodic cell to measure it (liquid
 water is 0.10, close-packed metals ≈ 0.085, diamond 0.18): used only to estimate edges."""
 
+GATHER_FRACTION = 0.25
+"""Longest wait for returning clients, as a fraction of the last pass's duration: holding the
+device idle for W before a pass of duration T loses at most W / (T + W) of its throughput (a
+fifth here) when nobody comes, while gathering a crowd's two cohorts into one pass saves a
+whole pass's fixed cost and takes the crowd's request handling off the event loop while the
+worker runs."""
+
+RETURN_MARGIN = 1.5
+RETURN_SLACK_S = 0.002
+"""A returning client is due back ``RETURN_MARGIN`` times its smoothed pace plus
+``RETURN_SLACK_S`` after its result was delivered: its return waits for the event loop to
+answer everyone ahead of it, so paces vary with the load."""
+
+PACE_SMOOTHING = 0.3
+"""Weight of the newest delivery → next-request gap in a client's smoothed pace."""
+
+MAX_TRACKED_CLIENTS = 4096
+"""Clients whose pace is remembered (least recently seen forgotten first)."""
+
 
 @dataclass(frozen=True)
 class BatchLimits:
@@ -63,7 +92,7 @@ class BatchLimits:
     max_atoms: int = 100_000  # per structure; above it a request is refused (413)
     max_batch_atoms: int = 16_384  # atom budget of one device pass
     max_batch_edges: int = 2_000_000  # estimated-edge budget of one device pass
-    window_s: float = 0.005  # longest wait for more requests while the device is idle
+    window_s: float = 0.005  # longest wait for returning clients while the device is idle
     max_queue: int = 1024  # requests waiting; above it new ones get 503 + Retry-After
 
 
@@ -108,12 +137,21 @@ def estimate_edges(structures: Structures, rcut: float) -> np.ndarray:
     return estimate
 
 
+@dataclass
+class _ClientPace:
+    """How soon one sequential client sends its next request after an answer."""
+
+    pace_s: float | None = None  # smoothed: result delivered → its next request admitted
+    delivered_at: float | None = None  # perf_counter() of its last result, until it is back
+
+
 @dataclass(eq=False)
 class _Job:
     """One request in the engine."""
 
     structures: Structures
     properties: frozenset[str]
+    client: Hashable | None
     atom_ptr: np.ndarray  # (B+1,) int64
     edge_cumsum: np.ndarray  # (B+1,) float64, cumulative estimated edges
     future: asyncio.Future[EvaluationResult]
@@ -194,6 +232,7 @@ class _Batch:
     chunks: list[_Chunk]
     parts: list[Structures]
     properties: frozenset[str]
+    n_structures: int
     n_atoms: int
     n_edges: float
 
@@ -239,12 +278,16 @@ class Engine:
         self._queue: deque[_Job] = deque()
         self._queued_atoms = 0
         self._queued_edges = 0.0
-        self._expected_requests = 0
         self._atoms_per_second: float | None = None
+        self._last_pass_s = 0.0
+        self._clients: OrderedDict[Hashable, _ClientPace] = OrderedDict()
+        # Clients the last pass served that are not back yet → when each is due at the latest.
+        self._returning: dict[Hashable, float] = {}
         self._running: _Batch | None = None  # the batch on the device
-        self._window: asyncio.TimerHandle | None = None  # pending end of a coalescing wait
+        self._window: asyncio.TimerHandle | None = None  # pending end of a gathering wait
+        self._gathering_since: float | None = None  # perf_counter() when that wait began
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._device: DeviceThread | None = None
         self._open = False
 
     @property
@@ -262,13 +305,12 @@ class Engine:
     async def start(self) -> None:
         """Start the worker thread; from now on requests are admitted on this event loop."""
         self._loop = asyncio.get_running_loop()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="so2serve-device")
+        self._device = DeviceThread()
         self._open = True
 
     async def warm_up(self, numbers: Sequence[int]) -> None:
         """Run the worker's warm-up pass in the device thread."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._require_executor(), self._worker.warm_up, numbers)
+        await self._require_device().run(lambda: self._worker.warm_up(numbers))
 
     async def stop(self) -> None:
         """Stop scheduling; requests still queued or on the device get ``EngineClosedError``."""
@@ -282,34 +324,46 @@ class Engine:
         self._queue.clear()
         self._queued_atoms, self._queued_edges = 0, 0.0
         self._metrics.queue_depth.set(0)
-        if self._executor is not None:
-            await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
-            self._executor = None
+        if self._device is not None:  # after the pass on the device, if any, has ended
+            await asyncio.to_thread(self._device.close)
+            self._device = None
 
     def submit(
-        self, structures: Structures, properties: Collection[str]
+        self,
+        structures: Structures,
+        properties: Collection[str],
+        *,
+        client: Hashable | None = None,
     ) -> asyncio.Future[EvaluationResult]:
         """Queue a validated request; the future resolves with its result or fails with the
         typed errors of ``service.engine.errors``. Refusals at admission (too many atoms, an
         element the model does not know: ``InvalidStructureError``, full queue) raise here.
 
+        ``client`` identifies a sequential requester (one request at a time, e.g. a keep-alive
+        connection) whose return the scheduler may wait for; None for anyone else.
         Cancelling the future (or a task awaiting it) withdraws whatever part of the request
         has not started. A bare future rather than a task: no extra scheduling step per request.
         """
-        job = self._admit(structures, frozenset(properties))
+        job = self._admit(structures, frozenset(properties), client)
         job.future.add_done_callback(lambda f: self._withdraw(job) if f.cancelled() else None)
         self._dispatch_when_due()
         return job.future
 
     async def evaluate(
-        self, structures: Structures, properties: Collection[str]
+        self,
+        structures: Structures,
+        properties: Collection[str],
+        *,
+        client: Hashable | None = None,
     ) -> EvaluationResult:
         """``submit`` and wait for the result."""
-        return await self.submit(structures, properties)
+        return await self.submit(structures, properties, client=client)
 
     # admission
 
-    def _admit(self, structures: Structures, properties: frozenset[str]) -> _Job:
+    def _admit(
+        self, structures: Structures, properties: frozenset[str], client: Hashable | None
+    ) -> _Job:
         if not self.running:
             raise EngineClosedError("the model is not loaded yet, or the server is stopping")
         atom_ptr = structures.ptr.cpu().numpy()
@@ -326,11 +380,14 @@ class Engine:
         job = _Job(
             structures=structures,
             properties=properties,
+            client=client,
             atom_ptr=atom_ptr,
             edge_cumsum=np.concatenate([[0.0], np.cumsum(edges)]),
             future=asyncio.get_running_loop().create_future(),
             admitted_at=time.perf_counter(),
         )
+        if client is not None:
+            self._client_arrived(client, job.admitted_at)
         self._queue.append(job)
         self._queued_atoms += int(atom_ptr[-1])
         self._queued_edges += float(job.edge_cumsum[-1])
@@ -375,6 +432,47 @@ class Engine:
     def _withdraw(self, job: _Job) -> None:
         self._metrics.cancelled.inc()
         self._dequeue(job)
+        if job.client is not None:  # its connection is gone: forget its pace
+            self._clients.pop(job.client, None)
+
+    # client pace
+
+    def _client_arrived(self, client: Hashable, now: float) -> None:
+        """A request from ``client``: learn its pace, and stop waiting for it."""
+        pace = self._clients.get(client)
+        if pace is None:
+            self._clients[client] = _ClientPace()
+            if len(self._clients) > MAX_TRACKED_CLIENTS:
+                self._clients.popitem(last=False)
+        else:
+            self._clients.move_to_end(client)
+            if pace.delivered_at is not None:
+                gap = now - pace.delivered_at
+                old = pace.pace_s
+                pace.pace_s = gap if old is None else old + PACE_SMOOTHING * (gap - old)
+                pace.delivered_at = None
+        self._returning.pop(client, None)
+
+    def _expect_returns(self, batch: _Batch, now: float) -> None:
+        """After a pass: the clients it has answered, and when each is due back at the latest
+        (only those whose pace fits in the longest wait: nobody else is worth waiting for)."""
+        self._returning.clear()
+        longest = self._gather_limit_s()
+        for job in batch.jobs:
+            if job.client is None or not job.future.done() or job.future.cancelled():
+                continue
+            pace = self._clients.get(job.client)
+            if pace is None:
+                continue
+            pace.delivered_at = now
+            if pace.pace_s is None:
+                continue
+            due_in = RETURN_MARGIN * pace.pace_s + RETURN_SLACK_S
+            if due_in <= longest:
+                self._returning[job.client] = now + due_in
+
+    def _gather_limit_s(self) -> float:
+        return min(self._limits.window_s, GATHER_FRACTION * self._last_pass_s)
 
     def _dequeue(self, job: _Job) -> None:
         """Forget the part of ``job`` that has not been dispatched yet."""
@@ -387,32 +485,43 @@ class Engine:
 
     # scheduling
 
-    def _require_executor(self) -> ThreadPoolExecutor:
-        if self._executor is None:
+    def _require_device(self) -> DeviceThread:
+        if self._device is None:
             raise EngineClosedError("the engine is not started")
-        return self._executor
+        return self._device
 
     def _dispatch_when_due(self) -> None:
-        """Start the next pass now if the device is idle and waiting would not fill it more.
+        """Start the next pass now if the device is idle and no returning client is worth
+        waiting for (see the module docstring).
 
-        While fewer requests are queued than the previous pass carried (and the budget is not
-        full), wait up to ``window_s`` for the rest of a crowd; the first call that decides to
-        wait arms the timer, later arrivals re-check and may start the pass before it fires.
+        The first call that decides to wait arms a timer for the latest due time (bounded by
+        the longest wait); every admission re-checks, and the last returner to arrive starts
+        the pass before the timer fires.
         """
         if self._running is not None or not self._queue or not self._open:
             return
-        waiting_helps = len(self._queue) < self._expected_requests and not self._budget_reached()
-        if waiting_helps and self._limits.window_s > 0:
-            if self._window is None:
-                loop = self._require_loop()
-                self._window = loop.call_later(self._limits.window_s, self._window_closed)
-            return
-        self._start_pass()
+        now = time.perf_counter()
+        wait_s = self._gather_wait_s(now)
+        if wait_s <= 0.0:
+            self._start_pass()
+        elif self._window is None:
+            self._gathering_since = now
+            self._window = self._require_loop().call_later(wait_s, self._window_closed)
+
+    def _gather_wait_s(self, now: float) -> float:
+        """How much longer to hold the next pass for the clients still on their way back."""
+        if not self._returning or self._budget_reached():
+            return 0.0
+        since = now if self._gathering_since is None else self._gathering_since
+        latest = max(self._returning.values())
+        return min(latest, since + self._gather_limit_s()) - now
 
     def _window_closed(self) -> None:
         self._window = None
+        self._returning.clear()  # whoever is not back by now is late: not waited for again
         if self._running is None and self._queue and self._open:
             self._start_pass()
+        self._gathering_since = None
 
     def _cancel_window(self) -> None:
         if self._window is not None:
@@ -420,10 +529,15 @@ class Engine:
             self._window = None
 
     def _start_pass(self) -> None:
+        if self._gathering_since is not None:
+            self._metrics.gather_wait.observe(time.perf_counter() - self._gathering_since)
+            self._gathering_since = None
         self._cancel_window()
         batch = self._take_batch()
         self._running = batch
-        self._require_executor().submit(self._run_pass, batch, self._require_loop())
+        loop = self._require_loop()
+        self._require_device().submit(lambda: self._run_pass(batch, loop))
+        self._record_batch(batch)  # while the worker thread wakes up
 
     def _run_pass(self, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
         """Worker thread: one device pass, then one hop back to the loop with its outcome."""
@@ -444,6 +558,7 @@ class Engine:
             self._fail(batch, outcome)
         else:
             self._deliver(batch, outcome)
+        self._expect_returns(batch, time.perf_counter())
         self._dispatch_when_due()
 
     def _require_loop(self) -> asyncio.AbstractEventLoop:
@@ -491,40 +606,29 @@ class Engine:
             self._queue.popleft()
         self._metrics.queue_depth.set(len(self._queue))
         properties = frozenset({"energy"}.union(*(c.job.properties for c in chunks)))
-        batch = _Batch(chunks, parts, properties, n_atoms, n_edges)
-        self._record_batch(batch, n_structures)
-        return batch
+        return _Batch(chunks, parts, properties, n_structures, n_atoms, n_edges)
 
-    def _record_batch(self, batch: _Batch, n_structures: int) -> None:
+    def _record_batch(self, batch: _Batch) -> None:
         m, limits = self._metrics, self._limits
-        n_requests = len(batch.jobs)
-        self._expected_requests = n_requests
-        m.batch_requests.observe(n_requests)
-        m.batch_structures.observe(n_structures)
+        m.batch_requests.observe(len(batch.jobs))
+        m.batch_structures.observe(batch.n_structures)
         m.batch_atoms.observe(batch.n_atoms)
         m.batch_edges.observe(batch.n_edges)
         m.batch_fill.observe(
             max(batch.n_atoms / limits.max_batch_atoms, batch.n_edges / limits.max_batch_edges)
         )
-        m.structures.inc(n_structures)
+        m.structures.inc(batch.n_structures)
         m.atom_steps.inc(batch.n_atoms)
 
     # results
 
     def _deliver(self, batch: _Batch, output: BatchOutput) -> None:
-        m = self._metrics
-        m.pass_seconds.observe(output.seconds)
-        if output.seconds > 0:
-            rate = batch.n_atoms / output.seconds
-            m.atom_steps_per_second.set(rate)
-            prev = self._atoms_per_second
-            self._atoms_per_second = rate if prev is None else 0.8 * prev + 0.2 * rate
+        self._last_pass_s = output.seconds
         for chunk in batch.chunks:
             job = chunk.job
             job.in_flight -= 1
             if job.started_at is None:  # its first pass: queued until the worker began it
                 job.started_at = output.started_at
-                m.queue_wait.observe(job.started_at - job.admitted_at)
             job.compute_s += output.seconds
             job.finished_at = output.finished_at
             job.passes += 1
@@ -537,6 +641,20 @@ class Engine:
             job.parts.append((chunk.start, chunk.results(output)))
             if job.cursor == job.n_structures and job.in_flight == 0:
                 job.future.set_result(self._assemble(job))
+        # After the handlers this has woken, which answer their clients first.
+        self._require_loop().call_soon(self._record_pass, batch, output)
+
+    def _record_pass(self, batch: _Batch, output: BatchOutput) -> None:
+        m = self._metrics
+        m.pass_seconds.observe(output.seconds)
+        if output.seconds > 0:
+            rate = batch.n_atoms / output.seconds
+            m.atom_steps_per_second.set(rate)
+            prev = self._atoms_per_second
+            self._atoms_per_second = rate if prev is None else 0.8 * prev + 0.2 * rate
+        for job in batch.jobs:
+            if job.started_at == output.started_at:  # its first pass
+                m.queue_wait.observe(job.started_at - job.admitted_at)
 
     def _fail(self, batch: _Batch, exc: BaseException) -> None:
         for chunk in batch.chunks:

@@ -96,6 +96,12 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.gather_wait = Histogram(
+            "so2serve_gather_wait_seconds",
+            "Time the idle device was held for clients on their way back before a pass.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.pass_seconds = Histogram(
             "so2serve_pass_seconds",
             "Wall time of one device pass (one batch).",

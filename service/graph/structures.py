@@ -13,6 +13,7 @@ without re-validating (dynamic batching in the engine).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -127,12 +128,26 @@ class Structures:
             positions.append(x)
             cells.append(cell)
             pbcs.append(pbc)
+        # The validated arrays are fresh copies: one structure is packed without copying again
+        # (only made C-ordered, which a copy of a Fortran-ordered input is not).
+        if len(items) == 1:
+            packed = (numbers[0], positions[0], cells[0][None], pbcs[0][None])
+        else:
+            packed = (
+                np.concatenate(numbers),
+                np.concatenate(positions),
+                np.stack(cells),
+                np.stack(pbcs),
+            )
         ptr = np.cumsum([0] + [len(z) for z in numbers], dtype=np.int64)
+        numbers_t, positions_t, cells_t, pbc_t = (
+            torch.from_numpy(np.ascontiguousarray(a)) for a in packed
+        )
         structures = cls(
-            numbers=torch.from_numpy(np.concatenate(numbers)),
-            positions=torch.from_numpy(np.concatenate(positions)),
-            cells=torch.from_numpy(np.stack(cells)),
-            pbc=torch.from_numpy(np.stack(pbcs)),
+            numbers=numbers_t,
+            positions=positions_t,
+            cells=cells_t,
+            pbc=pbc_t,
             ptr=torch.from_numpy(ptr),
         )
         if check_coincident:
@@ -418,22 +433,21 @@ def _check_periodic_lattice(
     """Periodic lattice vectors must be independent and no periodic height below 0.5 Å."""
     name = f"{field}.cell"
     axes = np.flatnonzero(pbc)
-    rows = cell[axes]
-    lengths = np.linalg.norm(rows, axis=1)
-    if len(axes) == 3:  # the common case in closed form: volume and the three face areas
-        gram_volume = abs(float(np.linalg.det(rows)))
-        bases = np.linalg.norm(_cross(rows[[1, 2, 0]], rows[[2, 0, 1]]), axis=1)
+    if len(axes) == 3:  # the common case
+        lengths, gram_volume, bases = _full_lattice_measures(cell.tolist())
     else:
+        rows = cell[axes]
+        lengths = np.linalg.norm(rows, axis=1).tolist()
         gram_volume = float(np.sqrt(max(np.linalg.det(rows @ rows.T), 0.0)))
-        bases = np.array([_gram_base(np.delete(rows, k, axis=0)) for k in range(len(axes))])
-    if lengths.min() == 0.0 or gram_volume < _MIN_RELATIVE_VOLUME * float(np.prod(lengths)):
+        bases = [_gram_base(np.delete(rows, k, axis=0)) for k in range(len(axes))]
+    if min(lengths) == 0.0 or gram_volume < _MIN_RELATIVE_VOLUME * math.prod(lengths):
         raise InvalidStructureError(
             "singular_cell",
             f"lattice vectors of the periodic axes {axes.tolist()} are zero or linearly dependent",
             field=name,
             index=index,
         )
-    for axis, base in zip(axes.tolist(), bases.tolist(), strict=True):
+    for axis, base in zip(axes.tolist(), bases, strict=True):
         height = gram_volume / base
         if height < MIN_CELL_HEIGHT:
             raise InvalidStructureError(
@@ -444,11 +458,19 @@ def _check_periodic_lattice(
             )
 
 
-def _cross(a: NDArray[np.float64], b: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Row-wise a × b of (k, 3) arrays (np.cross costs more than this on 3 rows)."""
-    i, j = [1, 2, 0], [2, 0, 1]
-    out: NDArray[np.float64] = a[:, i] * b[:, j] - a[:, j] * b[:, i]
-    return out
+def _full_lattice_measures(
+    rows: list[list[float]],
+) -> tuple[list[float], float, list[float]]:
+    """Lengths of the three lattice vectors, the cell volume and the areas of the faces
+    opposite each vector (|b × c|, |c × a|, |a × b|), in closed form on Python floats: for
+    one 3 × 3 cell numpy's per-call overhead would cost ten times the arithmetic."""
+    faces = [_cross3(rows[(k + 1) % 3], rows[(k + 2) % 3]) for k in range(3)]
+    volume = abs(sum(a * f for a, f in zip(rows[0], faces[0], strict=True)))
+    return [math.hypot(*r) for r in rows], volume, [math.hypot(*f) for f in faces]
+
+
+def _cross3(a: list[float], b: list[float]) -> list[float]:
+    return [a[1] * b[2] - a[2] * b[1], a[2] * b[0] - a[0] * b[2], a[0] * b[1] - a[1] * b[0]]
 
 
 def _gram_base(rows: NDArray[np.float64]) -> float:

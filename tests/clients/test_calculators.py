@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -40,7 +41,7 @@ def server() -> Iterator[tuple[str, PairPotential]]:
         yield url, potential
 
 
-def paired(atoms: Atoms, url: str, **http_options: object) -> tuple[Atoms, Atoms]:
+def paired(atoms: Atoms, url: str, **http_options: Any) -> tuple[Atoms, Atoms]:
     """The same structure with the HTTP calculator and with the in-process one."""
     remote, local = atoms.copy(), atoms.copy()
     remote.calc = SO2Calculator(url, **http_options)
@@ -127,7 +128,7 @@ def test_unreachable_service_fails_after_retries() -> None:
     atoms.calc = SO2Calculator(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.01)
     with pytest.raises(CalculationFailed, match="unreachable") as info:
         atoms.get_potential_energy()
-    assert info.value.code == "unreachable"
+    assert isinstance(info.value, ServiceError) and info.value.code == "unreachable"
 
 
 class ScriptedHandler(BaseHTTPRequestHandler):
@@ -177,7 +178,12 @@ def scripted(script: list[tuple[int, object, dict[str, str]]]) -> Iterator[Scrip
 
 
 BUSY = (503, {"code": "queue_full", "message": "queue full", "detail": None}, {"Retry-After": "0"})
-ONE_H = (200, {"results": [{"n_atoms": 1, "energy": -1.5, "forces": [[0.0, 0.0, 0.5]]}]}, {})
+Canned = tuple[int, dict[str, Any], dict[str, str]]
+ONE_H: Canned = (
+    200,
+    {"results": [{"n_atoms": 1, "energy": -1.5, "forces": [[0.0, 0.0, 0.5]]}]},
+    {},
+)
 
 
 def test_transient_503_is_retried_then_reported() -> None:

@@ -64,6 +64,7 @@ def check_outputs(out: Path, inputs: list[Path]) -> None:
     for frame in frames:
         source = originals[frame.info["screen_id"]]
         direct = reference.predict(Structures.from_atoms([source]), {"energy", "forces", "stress"})
+        assert direct.forces is not None and direct.stress is not None
         assert frame.get_potential_energy() == pytest.approx(float(direct.energy[0]), rel=1e-12)
         # extxyz stores arrays with 8 decimals
         np.testing.assert_allclose(frame.positions, source.positions, atol=1e-8)

@@ -253,14 +253,14 @@ def _ready(url: str) -> bool:
 
 def rattled_copper(repeat: int = 2, seed: int = 0) -> Atoms:
     """Periodic fcc copper, 4·repeat³ atoms, rattled so forces and shear stress are non-zero."""
-    atoms = bulk("Cu", "fcc", a=3.6, cubic=True) * (repeat, repeat, repeat)
+    atoms: Atoms = bulk("Cu", "fcc", a=3.6, cubic=True) * (repeat, repeat, repeat)
     atoms.rattle(0.05, seed=seed)
     return atoms
 
 
 def small_molecule(name: str = "CH3OH", seed: int = 0) -> Atoms:
     """A non-periodic molecule, slightly rattled."""
-    atoms = molecule(name)
+    atoms: Atoms = molecule(name)
     atoms.rattle(0.02, seed=seed)
     return atoms
 

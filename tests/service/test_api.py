@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,6 +17,7 @@ from ase.data import atomic_numbers
 from fastapi import FastAPI
 
 from service.api import ServiceSettings, create_app
+from service.engine import batcher
 from service.graph.structures import Structures
 from tests.service.fakes import (
     PairPotential,
@@ -124,6 +126,7 @@ def test_results_match_the_potential_and_carry_provenance(
     assert response.headers["x-request-id"] == "abc-1"
     body = response.json()
     direct = PairPotential().predict(Structures.from_atoms(atoms), set(ALL))
+    assert direct.forces is not None and direct.stress is not None and direct.virial is not None
     crystal, mol = body["results"]
     assert crystal["n_atoms"] == 4 and mol["n_atoms"] == 6
     assert crystal["energy"] == pytest.approx(float(direct.energy[0]), rel=1e-12)
@@ -316,6 +319,29 @@ def test_concurrent_clients_get_exactly_their_own_results_in_coalesced_batches()
     )
     assert requests == len(docs)
     assert requests / passes > 2  # batch fill: several requests per device pass
+
+
+def test_keep_alive_connections_are_the_clients_a_pass_waits_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four MD-like clients, each on its own keep-alive connection, answered in turns at
+    first; the engine learns each connection's pace and gathers them into shared passes."""
+    # Allow a whole (short) pass for the return of a client on a loaded test machine.
+    monkeypatch.setattr(batcher, "GATHER_FRACTION", 1.0)
+    body = request_document([small_molecule("H2O")])
+
+    def md_client(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(6):
+                http.post("/evaluate", json=body).raise_for_status()
+
+    with serve(PairPotential(delay_s=0.1), batch_window_ms=1000) as (url, pot):
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(md_client, [url] * 4))
+        with httpx.Client(base_url=url) as c:
+            metrics = c.get("/metrics").text
+    assert sample_value(metrics, "so2serve_gather_wait_seconds_count") > 0
+    assert max(n for n, _ in pot.calls) == 4
 
 
 def test_full_queue_answers_503_with_retry_after() -> None:

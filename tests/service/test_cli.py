@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import SecretStr
 from typer.testing import CliRunner
 
 from service.api import ServiceSettings, create_app
@@ -27,7 +28,7 @@ def test_serve_reports_bad_settings() -> None:
 
 
 def test_info_from_a_running_service() -> None:
-    settings = ServiceSettings(api_key="k")
+    settings = ServiceSettings(api_key=SecretStr("k"))
     with running_server(create_app(settings, evaluator=PairPotential())) as url:
         result = CliRunner().invoke(app, ["info", "--url", url, "--api-key", "k"])
     assert result.exit_code == 0, result.output

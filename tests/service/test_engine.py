@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -22,8 +23,10 @@ from service.engine import (
     StructureTooLargeError,
     TooManyAtomsError,
     Worker,
+    batcher,
 )
 from service.engine.batcher import estimate_edges
+from service.engine.worker import DeviceThread
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import Structures
 from tests.service.fakes import PairPotential, element_numbers, rattled_copper, small_molecule
@@ -117,6 +120,162 @@ def test_a_lone_client_never_waits_for_the_window() -> None:
         return time.perf_counter() - start
 
     assert run_engine(PairPotential(), scenario, window_s=2.0) < 1.0
+
+
+async def sequential_client(
+    engine: Engine, key: str, structures: Structures, requests: int
+) -> list[EvaluationResult]:
+    """A client like an MD run: its next request as soon as the previous answer is back."""
+    return [await engine.evaluate(structures, PROPS, client=key) for _ in range(requests)]
+
+
+async def lockstep_pair(engine: Engine, structures: Structures) -> None:
+    """Clients "a" and "b" until their pace is known and they share passes (the first one
+    runs alone, hence its extra request), both answered by the last pass."""
+    await asyncio.gather(
+        sequential_client(engine, "a", structures, 4),
+        sequential_client(engine, "b", structures, 3),
+    )
+
+
+def requests_per_pass(pot: PairPotential) -> list[int]:
+    return [n_structures for n_structures, _ in pot.calls]
+
+
+GATHER_SUM = "so2serve_gather_wait_seconds_sum"
+
+
+def gather_waits(metrics: ServiceMetrics) -> float:
+    return metric(metrics, "so2serve_gather_wait_seconds_count")
+
+
+@pytest.fixture
+def loaded_machine_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded test machine may stall a client's return by milliseconds, which would make
+    its measured pace exceed a quarter of these short passes now and then: allow a whole
+    pass (what is tested is who is waited for, not the bound's value)."""
+    monkeypatch.setattr(batcher, "GATHER_FRACTION", 1.0)
+
+
+@pytest.mark.usefixtures("loaded_machine_bound")
+@pytest.mark.parametrize("window_s", [0.0, 0.2], ids=["continuous", "gathering"])
+def test_cohorts_of_returning_clients_merge_into_one_pass(window_s: float) -> None:
+    """Eight clients start together: the first request finds the device idle and runs alone,
+    the other seven run next, and from then on, under plain continuous batching, the two
+    cohorts take turns (each pass carries whoever arrived during the previous one). Gathering
+    waits for the cohort just answered, once the clients' pace is known, and merges them.
+    (The first client makes one request more: all eight then finish in the same pass.)"""
+    pot = PairPotential(delay_s=0.08)
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> None:
+        counts = [7] + [6] * 7
+        await asyncio.gather(
+            *(sequential_client(engine, f"c{k}", water, n) for k, n in enumerate(counts))
+        )
+
+    run_engine(pot, scenario, window_s=window_s)
+    passes = requests_per_pass(pot)
+    assert sum(passes) == 49
+    if window_s == 0.0:
+        assert passes == [1, 7] * 6 + [1]  # the split never heals by itself
+    else:
+        assert passes == [1, 7, 1] + [8] * 5
+
+
+def test_a_lone_client_with_a_known_pace_is_never_held() -> None:
+    pot = PairPotential(delay_s=0.05)
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> float:
+        await sequential_client(engine, "md", structures_of(small_molecule()), 6)
+        return gather_waits(metrics)
+
+    assert run_engine(pot, scenario, window_s=1.0) == 0
+    assert requests_per_pass(pot) == [1] * 6
+
+
+@pytest.mark.parametrize(("think_s", "held"), [(0.002, True), (0.15, False)])
+def test_only_clients_quicker_than_the_bound_are_waited_for(think_s: float, held: bool) -> None:
+    """A keyed client that pauses between requests, next to an anonymous MD loop that keeps
+    the device busy: its return is waited for if it comes back within a quarter of a pass
+    (40 ms here), never if it thinks for longer."""
+    pot = PairPotential(delay_s=0.04)
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> float:
+        async def thinker() -> None:
+            for _ in range(5):
+                await engine.evaluate(water, PROPS, client="thinker")
+                await asyncio.sleep(think_s)
+
+        async def anonymous_md() -> None:
+            for _ in range(16):
+                await engine.evaluate(water, PROPS)
+
+        await asyncio.gather(thinker(), anonymous_md())
+        return gather_waits(metrics)
+
+    waits = run_engine(pot, scenario, window_s=1.0)
+    assert (waits > 0) is held
+
+
+@pytest.mark.usefixtures("loaded_machine_bound")
+def test_a_client_that_does_not_return_holds_one_pass_within_the_bound() -> None:
+    pot = PairPotential(delay_s=0.08)
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> tuple[float, float]:
+        # Then one of them stops.
+        await lockstep_pair(engine, water)
+        count, held_s = gather_waits(metrics), metric(metrics, GATHER_SUM)
+        await sequential_client(engine, "a", water, 3)
+        return gather_waits(metrics) - count, metric(metrics, GATHER_SUM) - held_s
+
+    count, held_s = run_engine(pot, scenario, window_s=1.0)
+    assert count == 1  # once: a client that missed its return is not waited for again
+    # Until its due time (1.5 × its pace, well below a millisecond here, + 2 ms), far below
+    # the bound (a pass here), even with the stalls of a loaded machine.
+    assert held_s < 0.05
+
+
+@pytest.mark.usefixtures("loaded_machine_bound")
+def test_a_departed_client_is_not_waited_for() -> None:
+    pot = PairPotential(delay_s=0.08)
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> float:
+        await lockstep_pair(engine, water)
+        passes = len(pot.calls)
+        gone = asyncio.ensure_future(engine.evaluate(water, PROPS, client="b"))
+        stays = asyncio.ensure_future(engine.evaluate(water, PROPS, client="a"))
+        await device_started(pot, passes)
+        assert pot.calls[-1][0] == 2
+        gone.cancel()  # its connection dropped while its pass ran
+        await stays
+        before = gather_waits(metrics)
+        await sequential_client(engine, "a", water, 2)
+        return gather_waits(metrics) - before
+
+    assert run_engine(pot, scenario, window_s=1.0) == 0
+
+
+def test_a_full_budget_starts_at_once() -> None:
+    """Returning clients are not waited for once the queued work fills the atom budget."""
+    pot = PairPotential(delay_s=0.06)
+    methanol = structures_of(small_molecule("CH3OH"))  # 6 atoms
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> float:
+        clients = [
+            asyncio.ensure_future(sequential_client(engine, f"c{k}", methanol, 5)) for k in range(4)
+        ]
+        # Until the first client is done (the last few requests have nobody to pair with).
+        await asyncio.wait(clients, return_when=asyncio.FIRST_COMPLETED)
+        waits = gather_waits(metrics)
+        await asyncio.gather(*clients)
+        return waits
+
+    assert run_engine(pot, scenario, window_s=1.0, max_batch_atoms=12) == 0
+    assert max(requests_per_pass(pot)) == 2
 
 
 def test_big_request_is_spread_over_passes_in_order() -> None:
@@ -283,3 +442,18 @@ def test_edge_estimate() -> None:
     assert estimate[1] == len(mol) * (len(mol) - 1)  # a small molecule: everyone is a neighbour
     actual = PairPotential()._edges(structures_of(crystal), [0, len(crystal)])[0].numel()
     assert 0.7 < estimate[0] / actual < 1.3
+
+
+def test_device_thread_runs_in_order_reports_back_and_survives_failures() -> None:
+    async def scenario() -> None:
+        device = DeviceThread(name="test-device")
+        order: list[int] = []
+        device.submit(lambda: order.append(1))
+        device.submit(lambda: 1 / 0)  # a failing call is logged; the thread carries on
+        assert await device.run(lambda: [*order, 2]) == [1, 2]
+        with pytest.raises(ZeroDivisionError):
+            await device.run(lambda: 1 / 0)
+        assert await device.run(threading.current_thread) is not threading.main_thread()
+        await asyncio.to_thread(device.close)
+
+    asyncio.run(scenario())

@@ -7,7 +7,7 @@ import numpy as np
 import orjson
 import pytest
 import torch
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from service.api.errors import ApiError, field_path
 from service.api.schemas import EvaluateRequest
@@ -132,7 +132,8 @@ def test_float32_arrays_are_widened_exactly() -> None:
 
 def _one_atom(**fields: object) -> bytes:
     item = {"species": [1], "positions": [[0.0, 0.0, 0.0]], **fields}
-    return msgpack.packb({"structures": [item]})
+    packed: bytes = msgpack.packb({"structures": [item]})
+    return packed
 
 
 F8_ATOM = typed(np.zeros((1, 3)), "<f8")
@@ -189,6 +190,7 @@ def test_well_formed_binary_arrays_of_a_bad_structure_get_its_code(
         assert code == "invalid_request"
         assert field_path(error.errors()[0]["loc"]) == f"structures[0].{field}"
     else:
+        assert isinstance(error, InvalidStructureError)
         assert (error.code, error.field) == (code, f"structures[0].{field}")
 
 
@@ -274,14 +276,14 @@ def test_settings_from_environment_and_overrides(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ValidationError, match="device"):
         ServiceSettings(device="gpu0")
     with pytest.raises(ValidationError):
-        ServiceSettings(unknown_setting=1)
+        ServiceSettings(unknown_setting=1)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.7", "example.org", "::"])
 def test_refuses_exposed_host_without_key(host: str) -> None:
     with pytest.raises(ValidationError, match="refusing to listen"):
         ServiceSettings(host=host)
-    assert ServiceSettings(host=host, api_key="k").host == host
+    assert ServiceSettings(host=host, api_key=SecretStr("k")).host == host
     assert ServiceSettings(host=host, insecure=True).insecure
 
 
