@@ -9,6 +9,7 @@ the caller (Potential).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -19,18 +20,20 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from service.model.config import ModelConfig
-from service.model.layers.edge_chunks import EdgeChunk, plan_edge_chunks
+from service.model.layers.derived import derived_weights
+from service.model.layers.edge_chunks import EdgeChunk, plan_edge_chunks, whole_graph
 from service.model.layers.embedding import (
     EnvSeed,
     RadialBasis,
     film,
+    film_coefficients,
     geometric_initial_embedding,
 )
 from service.model.layers.ffn import GatedGLUFFN, make_ffn
 from service.model.layers.geometry import EdgeCacheLike
 from service.model.layers.linear import MLP, Dense
 from service.model.layers.norms import EquivariantRMSNorm
-from service.model.layers.so2conv import SO2Convolution
+from service.model.layers.so2conv import ConvEdgeInputs, EdgeOps, SO2Convolution
 from so2kernels.mixing_stack import StackPrecision
 
 POST_SO2_NORM_EPS = 1.0
@@ -56,7 +59,7 @@ class InteractionBlock(nn.Module):
     def forward(
         self,
         x: Tensor,
-        radial: Tensor,
+        edge: ConvEdgeInputs,
         cache: EdgeCacheLike,
         *,
         fused: bool,
@@ -68,18 +71,18 @@ class InteractionBlock(nn.Module):
     ) -> Tensor:
         conv_taps: dict[str, Tensor] | None = {} if taps is not None else None
         update = self.conv(
-            x, radial, cache, fused=fused, live_weights=live_weights,
+            x, edge, cache, fused=fused, live_weights=live_weights,
             stack_precision=stack_precision, taps=conv_taps, chunks=chunks,
         )  # fmt: skip
-        normed = self.post_conv_norm(update)
+        normed = self.post_conv_norm(update, live=live_weights)
         x = x + normed
         if taps is not None and conv_taps is not None:
             taps.update({f"{prefix}so2_{k}": v for k, v in conv_taps.items()})
             taps[f"{prefix}so2conv_out"] = update
             taps[f"{prefix}post_so2_norm_out"] = normed
         for k, (norm, ffn) in enumerate(zip(self.ffn_norms, self.ffns, strict=True)):
-            pre = norm(x)
-            delta = ffn(pre)
+            pre = norm(x, live=live_weights)
+            delta = ffn(pre, live=live_weights)
             x = x + delta
             if taps is not None and k == 0:
                 taps[f"{prefix}pre_ffn_norm_out"] = pre
@@ -157,7 +160,10 @@ class DPA4Model(nn.Module):
         """Atomic energies ``(N,) float64`` of atoms with type indices ``types (N,) int64``.
 
         ``fused`` selects the so2kernels ops instead of their references; ``live_weights=False``
-        lets inference reuse packed stack weights (no weight gradients); ``taps`` collects
+        treats the weights as frozen (inference): weights derived from them (packed stack,
+        folded radial maps, norm rows, …; service.model.layers.derived) are built once per
+        weights version, and the norms run closed-form first-order backwards, so there are no
+        weight gradients and no ``create_graph`` (that raises); ``taps`` collects
         intermediates by name for stage-by-stage validation; ``edge_chunk`` (edges per chunk)
         runs the SO(2) convolutions' per-edge pipeline in chunks that are recomputed in the
         backward (bounded memory; see :mod:`service.model.layers.so2conv`). Not for
@@ -175,6 +181,50 @@ class DPA4Model(nn.Module):
             taps["fitting_net_raw"] = raw
         return raw.double() + self.energy_bias[types]
 
+    def convolutions(self) -> list[SO2Convolution]:
+        """Every block's SO(2) convolution, in block order."""
+        return [block.conv for block in self.blocks if isinstance(block, InteractionBlock)]
+
+    def edge_maps(self, *, live: bool = True) -> tuple[Tensor, Tensor]:
+        """``(head, pair_terms)``: every block's per-edge inputs as linear maps of the radial
+        MLP's last hidden layer ``h (E, Hr)`` and of the edge's type pair (cached unless
+        ``live``).
+
+        The fused radial features are ``R = env·(h @ W_last) + (T[src] + T[dst])`` per degree,
+        and each block reads them only through linear maps (SO2Convolution.radial_maps). So
+        ``head (Hr, [L·C +] ΣP) = [W_last[:, l≥1] |] W_last @ maps`` (the l ≥ 1 rows feed GIE)
+        and ``pair_terms ((T+1)², ΣP)`` holds ``(T[a] + T[b]) @ Σ_l maps_l`` at row
+        ``a·(T+1) + b``: per step one GEMM on ``h`` and one row gather replace the (E, L+1, C)
+        features and every per-block product with them.
+        """
+        cfg = self.config
+        convs = self.convolutions()
+
+        def build() -> tuple[Tensor, Tensor]:
+            kernels, logits = zip(*(conv.radial_maps() for conv in convs), strict=True)
+            maps = torch.cat([*kernels, *(m for m in logits if m is not None)], dim=1)
+            last = self.radial_mlp.last.matrix
+            head = last @ maps
+            if self.env_seed is not None:
+                head = torch.cat([last[:, cfg.channels :], head], dim=1)
+            per_type = self.type_embedding @ maps.view(cfg.lmax + 1, cfg.channels, -1).sum(0)
+            return head, (per_type[:, None, :] + per_type[None, :, :]).flatten(0, 1)
+
+        sources: list[Tensor] = [self.radial_mlp.last.matrix, self.type_embedding]
+        for conv in convs:
+            sources += conv.radial_sources()
+        return derived_weights(self, "edge_maps", sources, build, live=live)
+
+    def film_coefficients(self, *, live: bool = True) -> Tensor:
+        """``(2C,)`` FiLM strengths ``[e^a … | e^b …]`` (cached unless ``live``)."""
+        return derived_weights(
+            self, "film", (self.film_scale_log, self.film_shift_log),
+            lambda: film_coefficients(
+                self.film_scale_log, self.film_shift_log, self.config.channels
+            ),
+            live=live,
+        )  # fmt: skip
+
     def initial_state(
         self,
         types: Tensor,
@@ -182,29 +232,73 @@ class DPA4Model(nn.Module):
         taps: dict[str, Tensor] | None = None,
         *,
         fused: bool = False,
-    ) -> tuple[Tensor, Tensor]:
-        """``(x0 (N, (L+1)², C), fused radial features (E, L+1, C))`` (§1 steps 4–7); ``fused``
+        live: bool = True,
+    ) -> tuple[Tensor, list[ConvEdgeInputs]]:
+        """``(x0 (N, (L+1)², C), every block's per-edge inputs)`` (§1 steps 4–7); ``fused``
         runs the edge → centre sums as CSR segment ops."""
         cfg = self.config
         g = cache.graph
-        n_nodes = types.shape[0]
+        lmax, c = cfg.lmax, cfg.channels
         type_feat = self.type_embedding[types]
-        rbf = self.radial_basis(cache.length, cache.env_rbf)
-        radial = self.radial_mlp(rbf).view(-1, cfg.lmax + 1, cfg.channels)
-        if cfg.version >= 1.1:
-            radial = radial * cache.env[:, None, None]
-        x0_scalar = type_feat
-        x = type_feat.new_zeros(n_nodes, (cfg.lmax + 1) ** 2, cfg.channels)
-        if self.env_seed is not None:
-            logits = self.env_seed(types, cache, rbf, fused=fused)
-            x0_scalar = film(type_feat, logits, self.film_scale_log, self.film_shift_log)
-            x = geometric_initial_embedding(cache, radial, n_nodes, fused=fused)
+        # One index per edge for everything that depends on its (source, destination) types.
+        pair = torch.add(types[g.dst], types[g.src], alpha=cfg.n_types + 1)
+        # One reciprocal for the radial basis and the env seed: products instead of divisions,
+        # whose backward is several kernels each.
+        inv_length = torch.reciprocal(cache.length)
+        rbf = self.radial_basis(cache.length, inv_length, cache.env_rbf)
+        head, pair_terms = self.edge_maps(live=live)
+        projected = self.radial_mlp.hidden(rbf) @ head
+        envelope = cache.env if cfg.version >= 1.1 else None
+        if self.env_seed is None:
+            columns = projected
+            x = F.pad(type_feat[:, None, :], (0, 0, 0, (lmax + 1) ** 2 - 1))
+        else:
+            degree_rows, columns = projected.split_with_sizes(
+                [lmax * c, projected.shape[1] - lmax * c], dim=1
+            )
+            logits = self.env_seed(cache, inv_length, rbf, pair, fused=fused, live=live)
+            x0_scalar = film(type_feat, logits, self.film_coefficients(live=live))
+            rows = degree_rows.view(-1, lmax, c)
+            gie = geometric_initial_embedding(cache, rows, envelope, fused=fused)
+            x = torch.cat([x0_scalar[:, None, :], gie], dim=1)
             if taps is not None:
                 taps["env_seed_film"] = logits
-                taps["gie_out"] = x
-        x = torch.cat([x0_scalar[:, None, :], x[:, 1:]], dim=1)
-        edge_type = self.type_embedding[types[g.src]] + self.type_embedding[types[g.dst]]
-        return x, radial + edge_type[:, None, :]
+                taps["gie_out"] = F.pad(gie, (0, 0, 1, 0))
+        if envelope is None:
+            columns = columns + pair_terms[pair]
+        else:
+            columns = torch.addcmul(pair_terms[pair], columns, envelope[:, None])
+        return x, self._conv_inputs(columns, cache, fused=fused)
+
+    def _conv_inputs(
+        self, columns: Tensor, cache: EdgeCacheLike, *, fused: bool
+    ) -> list[ConvEdgeInputs]:
+        """Every block's :class:`ConvEdgeInputs` from the per-edge columns ``(E, ΣP)`` laid out
+        ``[kernel of block 0 | … | logit biases of all blocks]``."""
+        convs = self.convolutions()
+        env = cache.env
+        logit_widths = [conv.logit_width for conv in convs]
+        sizes = [conv.kernel_width for conv in convs]
+        if any(logit_widths):
+            sizes.append(sum(logit_widths))
+        # One split: its backward is a single concatenation of every block's gradients.
+        pieces = columns.split_with_sizes(sizes, dim=1)
+        unit_alpha = env.new_ones(env.shape[0], 1) if self.config.n_focus == 1 else None
+        terms: list[Tensor]
+        if any(logit_widths):
+            # 2·log env joins every block's logit bias once; −inf where env = 0 (the inner where
+            # keeps the log's gradient finite there).
+            active = env > 0
+            log_env = torch.where(active, torch.log(torch.where(active, env, 1.0)), -math.inf)
+            biases = torch.add(pieces[-1], log_env[:, None], alpha=2.0)
+            terms = list(biases.split_with_sizes(logit_widths, dim=1))
+        else:
+            ops = EdgeOps(whole_graph(cache.graph), fused)
+            terms = [(env * ops.from_dst(cache.inv_sqrt_deg))[:, None]] * len(convs)
+        return [
+            ConvEdgeInputs(conv.edge_kernel(kernel), term, unit_alpha)
+            for conv, kernel, term in zip(convs, pieces[: len(convs)], terms, strict=True)
+        ]
 
     def descriptor(
         self,
@@ -222,22 +316,23 @@ class DPA4Model(nn.Module):
             # Bounded-memory mode: the embedding stage's per-edge activations (radial MLP, env-seed
             # filter) are recomputed in the backward like the convolutions' chunks; only its
             # outputs, which every block reads, stay resident.
-            state: tuple[Tensor, Tensor] = checkpoint(
-                partial(self.initial_state, fused=fused), types, cache, use_reentrant=False
-            )
-            x, radial = state
+            state: tuple[Tensor, list[ConvEdgeInputs]] = checkpoint(
+                partial(self.initial_state, fused=fused, live=live_weights),
+                types, cache, use_reentrant=False,
+            )  # fmt: skip
+            x, conv_inputs = state
         else:
-            x, radial = self.initial_state(types, cache, taps, fused=fused)
+            x, conv_inputs = self.initial_state(types, cache, taps, fused=fused, live=live_weights)
         if taps is not None:
             taps["x0"] = x
         chunks = plan_edge_chunks(cache.graph, edge_chunk)
-        for i, block in enumerate(self.blocks):
+        for i, (block, edge) in enumerate(zip(self.blocks, conv_inputs, strict=True)):
             x = block(
-                x, radial, cache, fused=fused, live_weights=live_weights, taps=taps,
+                x, edge, cache, fused=fused, live_weights=live_weights, taps=taps,
                 prefix=f"b{i}_", chunks=chunks, stack_precision=stack_precision,
             )  # fmt: skip
             if taps is not None:
                 taps[f"b{i}_out"] = x
-        x0 = x[:, :1]
-        readout: Tensor = self.readout(x0)
-        return (x0 + readout)[:, 0]
+        x0 = x[:, 0]
+        readout: Tensor = self.readout(x0, live=live_weights)
+        return x0 + readout

@@ -1,11 +1,14 @@
 """Count the aten operators of one energy+forces step, by phase and by model module.
 
-Every op that reaches the dispatcher's Python mode is one kernel launch on the device (composite
-ops such as ``linear`` are already decomposed there), so the counts are what the launch-bound
-step costs. Forward ops are attributed to the innermost ``nn.Module`` running them; backward ops
-to the ``so2serve::<phase>`` range they run in.
+Every op that reaches the dispatcher's Python mode is about one kernel launch on the device
+(composite ops such as ``linear`` are already decomposed there; a few ops launch two on CUDA,
+e.g. ``select_backward`` = fill + copy), so the counts are what the launch-bound step costs.
+Forward ops are attributed to the innermost ``nn.Module`` running them; backward ops to the
+module or phase whose autograd node they run for. The CLI also estimates the bytes each op of
+the model's glue moves at a larger size (``--scale-atoms``/``--scale-edges``: outputs written
+plus inputs read, tensors scaled by their edge or node axis), to rank glue by memory traffic.
 
-    python -m tests.model.op_count --config bar --atoms 192 --path reference
+    python -m tests.model.op_count --config bar --atoms 192 --path fused
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import argparse
 import collections
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import service.model.potential as potential_module
 from service.graph.structures import Structures
@@ -36,21 +41,72 @@ _VIEW_OPS = frozenset(
 )  # fmt: skip
 
 
-class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts dispatched aten ops under the current ``(phase, module)`` label."""
+# Factories read no tensor data (only the metadata of their ``self`` argument).
+_FACTORY_PREFIXES = ("new_", "empty", "zeros", "ones", "full", "scalar_tensor")
 
-    def __init__(self) -> None:
+
+@dataclass(frozen=True)
+class SizeScale:
+    """Maps a tensor of the counted step to its byte size in a larger system: tensors with an
+    edge axis (leading, or second as in focus-major ``(F, E, ROW)``) scale by the edge ratio,
+    tensors with a node axis by the atom ratio, everything else (weights) stays."""
+
+    n_edges: int
+    n_nodes: int
+    edge_ratio: float = 1.0
+    node_ratio: float = 1.0
+
+    def bytes(self, t: Any) -> float:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return 0.0
+        size = float(t.numel() * t.element_size())
+        if t.shape[0] == self.n_edges or (t.dim() > 1 and t.shape[1] == self.n_edges):
+            return size * self.edge_ratio
+        if t.shape[0] in (self.n_nodes, self.n_nodes + 1):
+            return size * self.node_ratio
+        return size
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One counted op: its label, aten name and the bytes it writes and reads (scaled)."""
+
+    label: str
+    name: str
+    written: float
+    read: float
+
+
+class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts dispatched aten ops under the current ``(phase, module)`` label; with a
+    :class:`SizeScale` it also records each op's (scaled) bytes written and read."""
+
+    def __init__(self, scale: SizeScale | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.label = "other"
+        self.scale = scale
         self.counts: collections.Counter[str] = collections.Counter()
         self.by_name: collections.Counter[str] = collections.Counter()
+        self.records: list[OpRecord] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
         name = func.__name__.split(".")[0]
         if name not in _VIEW_OPS:
             self.counts[self.label] += 1
             self.by_name[f"{self.label} {name}"] += 1
-        return func(*args, **(kwargs or {}))
+            if self.scale is not None:
+                self.records.append(self._record(name, args, kwargs, out))
+        return out
+
+    def _record(self, name: str, args: Any, kwargs: Any, out: Any) -> OpRecord:
+        assert self.scale is not None
+        outputs = out if isinstance(out, tuple | list) else (out,)
+        written = sum(self.scale.bytes(t) for t in outputs)
+        read = 0.0
+        if not name.startswith(_FACTORY_PREFIXES):
+            read = sum(self.scale.bytes(t) for t in tree_leaves((args, kwargs)))
+        return OpRecord(self.label, name, written, read)
 
 
 class BackwardLabeller(TorchFunctionMode):
@@ -147,9 +203,12 @@ def _module_labels(model: nn.Module, counter: OpCounter) -> Iterator[None]:
             h.remove()
 
 
-def count_step_ops(potential: Potential, structures: Structures) -> OpCounter:
-    """Counts of one ``predict(energy, forces)``: forward per module, backward and the rest."""
-    counter = OpCounter()
+def count_step_ops(
+    potential: Potential, structures: Structures, scale: SizeScale | None = None
+) -> OpCounter:
+    """Counts of one ``predict(energy, forces)``: forward per module, backward and the rest
+    (and each op's bytes, scaled by ``scale``)."""
+    counter = OpCounter(scale)
     original_grad = torch.autograd.grad
 
     def labelled_grad(*args: Any, **kwargs: Any) -> Any:
@@ -173,11 +232,44 @@ def count_step_ops(potential: Potential, structures: Structures) -> OpCounter:
     return counter
 
 
+PHASE_LABELS = ("build_graph", "edge_vectors", "build_edge_cache", "assemble_forces_virial")
+"""Labels of the step's non-model phases (graph, edge cache, force assembly)."""
+KERNEL_OPS = ("so2_", "segment_")
+"""Name prefixes of the so2kernels ops (the value path), counted apart from the model's glue."""
+
+
+def is_model_label(label: str, direction: str | None = None) -> bool:
+    """Whether ``label`` is a model module's (``direction``: "forward"/"backward"/either): not a
+    non-model phase, and for the backward attributed to a module (unattributed backward nodes
+    belong to the edge cache)."""
+    kind, _, where = label.partition(" ")
+    if direction is not None and kind != direction:
+        return False
+    return kind in ("forward", "backward") and bool(where) and not where.startswith(PHASE_LABELS)
+
+
+def model_ops(counter: OpCounter, direction: str) -> int:
+    """Ops of the model's own modules in one direction (the non-model phases excluded)."""
+    return sum(n for label, n in counter.counts.items() if is_model_label(label, direction))
+
+
 def _summarise(counter: OpCounter, top: int) -> None:
     total = sum(counter.counts.values())
-    fwd = sum(v for k, v in counter.counts.items() if k.startswith("forward"))
-    bwd = sum(v for k, v in counter.counts.items() if k.startswith("backward"))
-    print(f"total {total}  model forward {fwd}  backward {bwd}  other {total - fwd - bwd}")
+    fwd, bwd = model_ops(counter, "forward"), model_ops(counter, "backward")
+    print(f"total {total}  model forward {fwd}  model backward {bwd}  rest {total - fwd - bwd}")
+    glue = [
+        r for r in counter.records if is_model_label(r.label) and not r.name.startswith(KERNEL_OPS)
+    ]
+    if glue:
+        ops: collections.Counter[str] = collections.Counter(r.name for r in glue)
+        gigabytes: dict[str, float] = collections.defaultdict(float)
+        for r in glue:
+            gigabytes[r.name] += (r.written + r.read) / 1e9
+        total_gb = sum(gigabytes.values())
+        print(f"-- model glue (so2kernels ops excluded): {len(glue)} ops, {total_gb:.1f} GB moved")
+        for name, n in ops.most_common():
+            print(f"{n:6d}  {gigabytes[name]:8.2f} GB  {name}")
+    print("-- by label")
     for label, n in counter.counts.most_common():
         print(f"{n:6d}  {label}")
     print("-- top ops")
@@ -187,6 +279,7 @@ def _summarise(counter: OpCounter, top: int) -> None:
 
 def main() -> None:
     from benchmarks.model import CONFIGS, water_box
+    from service.graph.neighbors import build_graph
     from tests.model.randomized import randomized_model
 
     parser = argparse.ArgumentParser(description=__doc__)
@@ -194,13 +287,20 @@ def main() -> None:
     parser.add_argument("--atoms", type=int, default=192)
     parser.add_argument("--path", default="reference", choices=("reference", "fused"))
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--scale-atoms", type=int, default=12_288, help="bytes estimated at")
+    parser.add_argument("--scale-edges", type=float, default=1.05e6, help="edges there")
     args = parser.parse_args()
     potential = Potential(
         randomized_model(CONFIGS[args.config]()), device="cpu", path=args.path, memory="fast"
     )
     structures = water_box(args.atoms)
     potential.predict(structures, ("energy", "forces"))  # warm caches (packed weights, tables)
-    _summarise(count_step_ops(potential, structures), args.top)
+    graph = build_graph(structures, potential.config.rcut)
+    scale = SizeScale(
+        graph.n_edges, graph.n_atoms, args.scale_edges / graph.n_edges,
+        args.scale_atoms / graph.n_atoms,
+    )  # fmt: skip
+    _summarise(count_step_ops(potential, structures, scale), args.top)
 
 
 if __name__ == "__main__":

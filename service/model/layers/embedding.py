@@ -3,7 +3,9 @@
 model-dpa4.md §3: the radial MLP maps the enveloped radial basis to per-degree features
 ``R (E, L+1, C)`` (times the p=5 envelope when version ≥ 1.1); the env seed aggregates
 ``[s, s·r̂] ⊗ g_e`` per centre into an invariant Gram matrix whose projection gives FiLM logits;
-GIE lifts ``R`` to l ≥ 1 through the zonal Wigner rows.
+GIE lifts ``R`` to l ≥ 1 through the zonal Wigner rows. ``R`` itself is never formed per edge:
+GIE reads its l ≥ 1 rows before the envelope (which scales the zonal entries instead), and the
+blocks read it through folded linear maps (service.model.dpa4.DPA4Model.edge_maps).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.model.config import ModelConfig
+from service.model.layers.derived import derived_weights
 from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
 from service.model.layers.linear import MLP, Dense
 from so2kernels._layout import device_constant
@@ -40,13 +43,14 @@ class RadialBasis(nn.Module):
         self.freqs = nn.Parameter(init.float())
         self.width = cfg.rcut / max(n - 1, 1)
 
-    def forward(self, length: Tensor, env_rbf: Tensor) -> Tensor:
+    def forward(self, length: Tensor, inv_length: Tensor, env_rbf: Tensor) -> Tensor:
+        """``length``, its reciprocal ``inv_length`` and the envelope ``env_rbf``, all ``(E,)``."""
         r = length[:, None]
         if self.kind == "bessel":
-            # sin(w r)/r = w·sinc(w r/π): finite and smooth as r → 0.
-            basis = self.freqs * torch.sinc(r * self.freqs / math.pi)
-        else:
-            basis = torch.exp(-((r - self.freqs) ** 2) / (2.0 * self.width**2))
+            # The cache's lengths are regularised (≥ eps), so 1/r is finite; the envelope and 1/r
+            # share one per-edge factor, leaving two (E, n) passes.
+            return torch.sin(r * self.freqs) * (env_rbf * inv_length)[:, None]
+        basis = torch.exp(-((r - self.freqs) ** 2) / (2.0 * self.width**2))
         return basis * env_rbf[:, None]
 
 
@@ -57,84 +61,116 @@ class EnvSeed(nn.Module):
         super().__init__()
         s = cfg.env_seed_sizes
         self.axis = s.axis
-        self.eps = cfg.eps
+        self.rbf_out = s.rbf_out
         self.rbf_proj = MLP([cfg.n_radial, s.rbf_out, s.rbf_out])
         self.type_table = nn.Parameter(torch.randn(cfg.n_types + 1, s.type_dim) * 0.1)
         self.filter = MLP([s.g_in, s.hidden, s.embed])
         self.output = Dense(s.embed * s.axis, 2 * cfg.channels)
 
-    def forward(self, types: Tensor, cache: EdgeCacheLike, rbf: Tensor, *, fused: bool) -> Tensor:
-        """FiLM logits ``(N, 2C)``; ``fused`` sums over each centre's edges with the CSR op."""
+    def filter_pair_terms(self, *, live: bool = True) -> Tensor:
+        """``((T+1)², hidden)``: the filter's first layer applied to ``[T_env[a] | T_env[b]]``,
+        at row ``a·(T+1) + b`` (source type a, destination type b); cached unless ``live``.
+
+        The type part of the filter input depends on the edge's type pair only, so it is one
+        row gather per edge instead of two gathers and a concatenation."""
+
+        def build() -> Tensor:
+            matrix = self.filter.dense(0).matrix
+            type_dim = self.type_table.shape[1]
+            src_rows = self.type_table @ matrix[self.rbf_out : self.rbf_out + type_dim]
+            dst_rows = self.type_table @ matrix[self.rbf_out + type_dim :]
+            return (src_rows[:, None, :] + dst_rows[None, :, :]).flatten(0, 1)
+
+        sources = (self.type_table, self.filter.dense(0).matrix)
+        return derived_weights(self, "filter_pair_terms", sources, build, live=live)
+
+    def forward(
+        self,
+        cache: EdgeCacheLike,
+        inv_length: Tensor,
+        rbf: Tensor,
+        pair: Tensor,
+        *,
+        fused: bool,
+        live: bool = True,
+    ) -> Tensor:
+        """FiLM logits ``(N, 2C)`` from ``1/length (E,)``, the radial basis ``rbf (E, n_radial)``
+        and the edges' type pair index ``pair (E,)`` (``src_type·(T+1) + dst_type``); ``fused``
+        sums over each centre's edges with the CSR op."""
         g = cache.graph
-        vec = cache.vec
-        inv_r = torch.rsqrt((vec * vec).sum(-1, keepdim=True) + self.eps**2)
-        s = cache.env[:, None] * inv_r
-        r_tilde = torch.cat([s, s * vec * inv_r], dim=-1)  # (E, 4)
-        filt_in = torch.cat(
-            [self.rbf_proj(rbf), self.type_table[types[g.src]], self.type_table[types[g.dst]]], -1
-        )
-        filt = self.filter(filt_in)  # (E, embed)
+        # r̃ = [s, s·r̂] with s = env/r; the cache's length is sqrt(|r|² + eps²) (§3).
+        s = cache.env * inv_length
+        r_tilde = torch.cat([s[:, None], cache.vec * (s * inv_length)[:, None]], dim=1)  # (E, 4)
+        first = self.filter.dense(0).matrix[: self.rbf_out]
+        pre = torch.addmm(self.filter_pair_terms(live=live)[pair], self.rbf_proj(rbf), first)
+        filt = self.filter.last(F.silu(pre))  # (E, embed)
         if fused:
             # Every r̃ component multiplies the one filter row: no (E, 4, embed) message.
             same_row = device_constant((0,) * r_tilde.shape[1], r_tilde.device, torch.int64)
             agg = segment_outer_sum(r_tilde, filt[:, None, :], same_row, g.dst_rowptr)
         else:
             outer = r_tilde[:, :, None] * filt[:, None, :]  # (E, 4, embed)
-            agg = sum_into_dst(outer, g.dst, types.shape[0])
+            agg = sum_into_dst(outer, g.dst, cache.inv_sqrt_deg.shape[0])
         agg = agg * cache.inv_sqrt_deg[:, None, None]
         gram = torch.bmm(agg.transpose(1, 2), agg[:, :, : self.axis])  # (N, embed, axis)
         logits: Tensor = self.output(gram.flatten(1))
         return logits
 
 
-def film(type_feat: Tensor, logits: Tensor, scale_log: Tensor, shift_log: Tensor) -> Tensor:
-    """``T ⊙ (1 + e^a·tanh(scale)) + e^b·tanh(shift)`` with ``logits = [scale | shift]``."""
-    c = type_feat.shape[-1]
-    scale = 1.0 + torch.exp(scale_log) * torch.tanh(logits[:, :c])
-    return type_feat * scale + torch.exp(shift_log) * torch.tanh(logits[:, c:])
+def film_coefficients(scale_log: Tensor, shift_log: Tensor, channels: int) -> Tensor:
+    """``(2C,)``: ``e^a`` on the scale half and ``e^b`` on the shift half of the FiLM logits."""
+    return torch.cat([scale_log.exp().expand(channels), shift_log.exp().expand(channels)])
+
+
+def film(type_feat: Tensor, logits: Tensor, coefficients: Tensor) -> Tensor:
+    """``T ⊙ (1 + e^a·tanh(scale)) + e^b·tanh(shift)`` with ``logits = [scale | shift]`` and
+    ``coefficients`` from :func:`film_coefficients`."""
+    scaled = torch.tanh(logits) * coefficients
+    channels = type_feat.shape[-1]
+    scale, shift = scaled.split_with_sizes([channels, channels], dim=1)
+    return torch.addcmul(shift, type_feat, scale + 1.0)
 
 
 def geometric_initial_embedding(
-    cache: EdgeCacheLike, radial: Tensor, n_nodes: int, *, fused: bool
+    cache: EdgeCacheLike, degree_rows: Tensor, edge_weight: Tensor | None, *, fused: bool
 ) -> Tensor:
-    """GIE: ``x[i,(l,m)] = inv_sqrt_deg_i Σ_{dst=i} D[e,(l,0),(l,m)]·R[e,l]`` for l ≥ 1.
+    """GIE: ``x[i,(l,m)] = inv_sqrt_deg_i Σ_{dst=i} D[e,(l,0),(l,m)]·w_e·R[e,l]`` for l ≥ 1.
 
-    ``radial (E, L+1, C)`` (before the type-feature fuse) → ``(N, (L+1)², C)`` with row 0 zero.
-    ``fused`` takes all degrees in one CSR ``segment_outer_sum`` (zonal entries × ``R`` rows
-    picked by degree): deterministic, no atomics, and no (E, D-1, C) message in either
-    direction. The reference path does one product and one dst sum per degree: the degree's
-    ``R[:, l]`` broadcasts over its 2l+1 zonal entries, so no gathered copy of ``R`` is made.
+    ``degree_rows (E, L, C)`` are the radial features of degrees 1..L before the envelope and the
+    type-feature fuse (any strides); ``edge_weight (E,)`` is that envelope (``None``: none). It
+    multiplies the (E, D-1) zonal entries instead of the (E, L, C) rows. Returns the l ≥ 1 rows
+    ``(N, D-1, C)``. ``fused`` takes all degrees in one CSR ``segment_outer_sum`` (zonal entries
+    × the rows of their degree): deterministic, no atomics, and no (E, D-1, C) message in either
+    direction; the reference path builds the messages and sums them into the centres.
     """
-    lmax = radial.shape[1] - 1
+    lmax = degree_rows.shape[1]
+    zonal_entry, row_of_degree = _zonal_entries(lmax, cache.wigner.shape[2], degree_rows.device)
+    zonal = cache.wigner.flatten(1).index_select(1, zonal_entry)  # (E, D-1)
+    if edge_weight is not None:
+        zonal = zonal * edge_weight[:, None]
     if fused:
-        zonal_entry, row_degree = _zonal_entries(lmax, cache.wigner.shape[2], radial.device)
-        zonal = cache.wigner.flatten(1).index_select(1, zonal_entry)  # (E, D-1)
-        summed = segment_outer_sum(zonal, radial, row_degree, cache.graph.dst_rowptr)
-        return F.pad(summed * cache.inv_sqrt_deg[:, None, None], (0, 0, 1, 0))
-    per_degree = [radial.new_zeros(n_nodes, 1, radial.shape[2])]
-    for degree in range(1, lmax + 1):
-        rows = slice(degree * degree, (degree + 1) ** 2)
-        zonal = cache.wigner[:, degree * degree + degree, rows]  # (E, 2l+1): D[(l,0), (l,m)]
-        message = zonal[:, :, None] * radial[:, degree, None, :]  # (E, 2l+1, C)
-        per_degree.append(sum_into_dst(message, cache.graph.dst, n_nodes))
-    return torch.cat(per_degree, dim=1) * cache.inv_sqrt_deg[:, None, None]
+        summed = segment_outer_sum(zonal, degree_rows, row_of_degree, cache.graph.dst_rowptr)
+    else:
+        message = zonal[:, :, None] * degree_rows.index_select(1, row_of_degree)
+        summed = sum_into_dst(message, cache.graph.dst, cache.inv_sqrt_deg.shape[0])
+    return summed * cache.inv_sqrt_deg[:, None, None]
 
 
 @cache
 def _zonal_entry_values(lmax: int, wigner_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Flat index of ``D[(l,0), (l,m)]`` in a (Dw·Dw) Wigner row and the degree l, for every
-    packed row (l, m) with l ≥ 1."""
+    """Flat index of ``D[(l,0), (l,m)]`` in a (Dw·Dw) Wigner row and the row ``l-1`` of the
+    degree-l radial features, for every packed row (l, m) with l ≥ 1."""
     degrees = [l for l in range(1, lmax + 1) for _ in range(2 * l + 1)]
     columns = range(1, (lmax + 1) ** 2)
     flat = tuple((l * l + l) * wigner_dim + col for l, col in zip(degrees, columns, strict=True))
-    return flat, tuple(degrees)
+    return flat, tuple(l - 1 for l in degrees)
 
 
 def _zonal_entries(lmax: int, wigner_dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(zonal_entry, row_degree)``: :func:`_zonal_entry_values` as (D-1,) int64 device
+    """``(zonal_entry, row_of_degree)``: :func:`_zonal_entry_values` as (D-1,) int64 device
     constants."""
-    flat, degrees = _zonal_entry_values(lmax, wigner_dim)
+    flat, rows = _zonal_entry_values(lmax, wigner_dim)
     return (
         device_constant(flat, device, torch.int64),
-        device_constant(degrees, device, torch.int64),
+        device_constant(rows, device, torch.int64),
     )

@@ -2,7 +2,7 @@
 
 * :class:`GatedGLUFFN` — plain GLU: ``h = W1 x`` split ``[val | gate]``; l=0 gets
   ``val₀·SiLU(gate₀)``, each l≥1 row gets ``val_l·σ(gate₀ @ Wg)[l-1]``; then ``W2`` (zero-init).
-  With ``lmax=0`` this is the readout GLU.
+  With ``lmax=0`` this is the readout GLU (on ``(N, C)`` scalars).
 * :class:`S2GridGLUFFN` — S2-Lebedev GLU: ``h = W1 x`` split ``[a | b]``; the product of ``a``
   and ``b`` on the grid is projected back, gated by ``σ([a₀,b₀] @ Wsg)`` on every row, and
   ``SiLU(a₀)·b₀`` is added to l=0; then ``W2`` (zero-init).
@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -35,25 +36,26 @@ class GatedGLUFFN(nn.Module):
         # Row r ≥ 1 reads gate group l(r)-1.
         self.register_buffer("gate_group", degree_of_packed_rows(lmax)[1:] - 1, persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.linear_in(x)
-        val, gate = h[..., : self.hidden], h[..., self.hidden :]
-        out0 = val[:, :1] * F.silu(gate[:, :1])
+    def forward(self, x: Tensor, *, live: bool = True) -> Tensor:
+        # unbind, not slices: the backward joins the halves in one stack instead of zero-filling
+        # a full-width buffer per half and adding them.
+        h = self.linear_in(x, live=live)
+        val, gate = h.view(*h.shape[:-1], 2, self.hidden).unbind(-2)
         if self.gate_weight is None:
-            result: Tensor = self.linear_out(out0)
+            result: Tensor = self.linear_out(val * F.silu(gate), live=live)
             return result
-        sig = torch.sigmoid(gate[:, 0] @ self.gate_weight).view(-1, self.lmax, self.hidden)
-        rest = val[:, 1:] * sig.index_select(1, self.gate_group)
-        gated: Tensor = self.linear_out(torch.cat([out0, rest], dim=1))
+        gate0 = gate[:, :1]
+        sig = torch.sigmoid(gate0[:, 0] @ self.gate_weight).view(-1, self.lmax, self.hidden)
+        row_gate = torch.cat([F.silu(gate0), sig.index_select(1, self.gate_group)], dim=1)
+        gated: Tensor = self.linear_out(val * row_gate, live=live)
         return gated
 
 
 class S2GridGLUFFN(nn.Module):
     """S2-Lebedev grid GLU FFN on packed ``(N, D, C)`` features; ``scalar_gate (2H, H)``."""
 
-    to_grid: Tensor
+    scalar_and_grid: Tensor
     from_grid: Tensor
-    scalar_row: Tensor
 
     def __init__(self, lmax: int, channels: int, hidden: int):
         super().__init__()
@@ -62,22 +64,29 @@ class S2GridGLUFFN(nn.Module):
         self.scalar_gate = nn.Parameter(torch.randn(2 * hidden, hidden) * 0.01)
         self.linear_out = DegreeLinear(lmax, hidden, channels, zero_init=True)
         to_grid, from_grid = s2_grid_projectors(lmax)
-        self.register_buffer("to_grid", torch.from_numpy(to_grid).float(), persistent=False)
+        # (1+G, D): row 0 picks the l=0 coefficients (exactly: a one-hot row), the rest project
+        # onto the grid, so the scalars and the grid values come out of one batched product.
+        pick_scalar = np.eye(1, to_grid.shape[1])
+        scalar_and_grid = torch.from_numpy(np.concatenate([pick_scalar, to_grid])).float()
+        self.register_buffer("scalar_and_grid", scalar_and_grid, persistent=False)
         self.register_buffer("from_grid", torch.from_numpy(from_grid).float(), persistent=False)
-        scalar_row = (degree_of_packed_rows(lmax) == 0).float()[:, None]  # (D, 1)
-        self.register_buffer("scalar_row", scalar_row, persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.linear_in(x)  # (N, D, 2H)
-        scalars = h[:, 0]  # (N, 2H)
-        grid = self.to_grid.to(h.dtype) @ h  # (N, G, 2H)
-        product = grid[..., : self.hidden] * grid[..., self.hidden :]
-        out = self.from_grid.to(h.dtype) @ product  # (N, D, H)
-        gate = torch.sigmoid(scalars @ self.scalar_gate)[:, None, :]
-        glu0 = F.silu(scalars[:, : self.hidden]) * scalars[:, self.hidden :]
-        # The scalar GLU joins the l=0 row through the (D, 1) indicator instead of a slice + cat.
-        out = torch.addcmul(glu0[:, None, :] * self.scalar_row.to(h.dtype), out, gate)
-        projected: Tensor = self.linear_out(out)
+    def forward(self, x: Tensor, *, live: bool = True) -> Tensor:
+        h = self.linear_in(x, live=live)  # (N, D, 2H)
+        n_nodes, hid = h.shape[0], self.hidden
+        both = torch.matmul(self.scalar_and_grid, h)  # (N, 1+G, 2H)
+        # split/unbind views: their backward is one concatenation each, not zero-filled slices.
+        scalars, grid = both.split_with_sizes([1, both.shape[1] - 1], dim=1)
+        grid_a, grid_b = grid.view(n_nodes, grid.shape[1], 2, hid).unbind(-2)
+        out = torch.matmul(self.from_grid, grid_a * grid_b)  # (N, D, H)
+        gate = torch.sigmoid(scalars.view(n_nodes, 2 * hid) @ self.scalar_gate)[:, None, :]
+        a0, b0 = scalars.view(n_nodes, 2, hid).unbind(1)
+        glu0 = F.silu(a0) * b0
+        # The scalar GLU joins the l=0 row as a zero-padded (N, D, H) term: its backward is one
+        # slice copy, where an indicator product would take a product and a reduction.
+        scalar_term = F.pad(glu0[:, None, :], (0, 0, 0, out.shape[1] - 1))
+        out = torch.addcmul(scalar_term, out, gate)
+        projected: Tensor = self.linear_out(out, live=live)
         return projected
 
 

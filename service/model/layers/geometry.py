@@ -12,13 +12,28 @@ from torch import Tensor
 
 
 class GraphLike(Protocol):
-    """Topology fields the model reads (``service.graph.Graph``)."""
+    """Topology fields the model reads (``service.graph.Graph``, a frozen dataclass: read-only
+    members)."""
 
-    src: Tensor  # (E,) int64 message source j
-    dst: Tensor  # (E,) int64 centre i, edges sorted by dst
-    src_order: Tensor  # (E,) int64 stable argsort of src
-    src_rowptr: Tensor  # (N+1,) int64
-    dst_rowptr: Tensor  # (N+1,) int64
+    @property
+    def src(self) -> Tensor:
+        """(E,) int64 message source j."""
+
+    @property
+    def dst(self) -> Tensor:
+        """(E,) int64 centre i, edges sorted by dst."""
+
+    @property
+    def src_order(self) -> Tensor:
+        """(E,) int64 stable argsort of src."""
+
+    @property
+    def src_rowptr(self) -> Tensor:
+        """(N+1,) int64."""
+
+    @property
+    def dst_rowptr(self) -> Tensor:
+        """(N+1,) int64."""
 
 
 class EdgeCacheLike(Protocol):

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from service.model.layers.derived import derived_weights
+
 
 def degree_of_packed_rows(lmax: int) -> Tensor:
     """Degree l of each packed row ``l²..l²+2l``: ``(D,)`` int64."""
@@ -39,19 +41,33 @@ class DegreeLinear(nn.Module):
         self.weight = nn.Parameter(init)
         self.register_buffer("row_degree", degree_of_packed_rows(lmax), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x (N, (L+1)², Cin) → (N, (L+1)², Cout)`` contiguous."""
+    def row_weight(self, *, live: bool = True) -> Tensor:
+        """The weight repeated per order, ``(D, Cin, Cout)`` (cached unless ``live``)."""
+        return derived_weights(
+            self, "row_weight", (self.weight,),
+            lambda: self.weight.index_select(0, self.row_degree), live=live,
+        )  # fmt: skip
+
+    def forward(self, x: Tensor, *, live: bool = True) -> Tensor:
+        """``x (N, (L+1)², Cin) → (N, (L+1)², Cout)``; ``live=False`` reuses the row-expanded
+        weight of frozen parameters.
+
+        The result is a view of a degree-major ``(D, N, Cout)`` product (unit channel stride):
+        elementwise ops and batched matmuls read it in place, so no copy is made here; a consumer
+        that needs node-major rows makes them contiguous itself."""
         if self.lmax == 0:
             return x @ self.weight[0]
         # One batched matmul over rows with the weight repeated per order (D, Cin, Cout), instead
         # of a matmul per degree plus a concatenation: a launch each way, and a backward without
         # per-slice zero-filled gradient buffers.
-        row_weight = self.weight.index_select(0, self.row_degree)
-        return torch.einsum("ndi,dio->ndo", x, row_weight).contiguous()
+        return torch.einsum("ndi,dio->ndo", x, self.row_weight(live=live))
 
 
 class FocusLinear(nn.Module):
-    """Per-focus channel mixing; ``weight (Cin, F·Cout)`` viewed ``(Cin, F, Cout)``."""
+    """Per-focus channel mixing; ``weight (Cin, F·Cout)`` viewed ``(Cin, F, Cout)``.
+
+    Holds the weight only: its users fold it with neighbouring maps (see
+    ``service.model.layers.so2conv.Attention.node_projection``)."""
 
     def __init__(self, in_channels: int, out_channels: int, n_focus: int):
         super().__init__()
@@ -61,10 +77,10 @@ class FocusLinear(nn.Module):
             _fan_in_normal(in_channels, n_focus * out_channels, fan_in=in_channels)
         )
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x (N, F, Cin) → (N, F, Cout)``."""
-        w = self.weight.view(self.weight.shape[0], self.n_focus, self.out_channels)
-        return torch.einsum("nfi,ifo->nfo", x, w)
+    def per_focus(self) -> Tensor:
+        """The weight as ``(F, Cin, Cout)``."""
+        per_focus = self.weight.view(self.weight.shape[0], self.n_focus, self.out_channels)
+        return per_focus.transpose(0, 1)
 
 
 class Dense(nn.Module):
@@ -76,8 +92,11 @@ class Dense(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = x @ self.matrix
-        return y if self.bias is None else y + self.bias
+        if self.bias is None:
+            return x @ self.matrix
+        # The bias rides in the GEMM's epilogue instead of a separate broadcast add.
+        y = torch.addmm(self.bias, x.flatten(0, -2), self.matrix)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class MLP(nn.Module):
@@ -87,10 +106,22 @@ class MLP(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(Dense(a, b) for a, b in itertools.pairwise(widths))
 
-    def forward(self, x: Tensor) -> Tensor:
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < last:
-                x = F.silu(x)
+    def hidden(self, x: Tensor) -> Tensor:
+        """The activations entering the last layer (``x`` itself for a single layer)."""
+        for layer in self.layers[:-1]:
+            x = F.silu(layer(x))
         return x
+
+    def dense(self, index: int) -> Dense:
+        """Layer ``index`` (negative counts from the end)."""
+        layer = self.layers[index]
+        assert isinstance(layer, Dense)
+        return layer
+
+    @property
+    def last(self) -> Dense:
+        return self.dense(-1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.last(self.hidden(x))
+        return out
