@@ -42,6 +42,12 @@ case "$topic" in
     STEP_S=110 run python3 benchmarks/model.py --cases bar:192,12288 --paths fused fused-fp16x3 --profile --repeats 5 --no-agreement
     STEP_S=70 run python3 benchmarks/model.py --cases bar:73728 --paths fused-fp16x3 --memory lean --no-agreement --repeats 2
     ;;
+  final)  # end of session: model + service gpu tests, service bench, bar model, preset matrix
+    STEP_S=100 run python3 -m pytest -q -m gpu tests/model/test_golden_systems.py tests/model/test_captured.py tests/model/test_fast_tier.py tests/graph/test_sync_free.py
+    STEP_S=130 run python3 benchmarks/service.py --device cuda --quick
+    STEP_S=110 run python3 benchmarks/model.py --cases bar:192,1536,12288 --paths fused fused-fp16x3 --profile --repeats 5 --agreement-sizes 192 12288 --fp64-sizes 192
+    STEP_S=150 run python3 benchmarks/model.py --cases small:192,1536,12288,98304 medium:192,1536,12288 --paths fused fused-fp16x3 reference --memory auto --no-agreement --repeats 3
+    ;;
   proof)  # one call: aggregate op, fast-tier stack sweep + bar, model step both tiers + lean, service
     STEP_S=80 run python3 -m pytest -q -m gpu tests/kernels/test_aggregate.py tests/kernels/test_outer_sum.py -x
     STEP_S=60 run python3 benchmarks/kernels_aggregate.py --no-compile
