@@ -48,6 +48,10 @@ case "$topic" in
     STEP_S=110 run python3 benchmarks/model.py --cases bar:192,1536,12288 --paths fused fused-fp16x3 --profile --repeats 5 --agreement-sizes 192 12288 --fp64-sizes 192
     STEP_S=150 run python3 benchmarks/model.py --cases small:192,1536,12288,98304 medium:192,1536,12288 --paths fused fused-fp16x3 reference --memory auto --no-agreement --repeats 3
     ;;
+  switch)  # the server's interpreter switch interval at 0.5 ms, then the kernel grid without compile
+    STEP_S=120 run python3 benchmarks/service.py --device cuda --quick --switch-interval-ms 0.5 --sizes 192 1536 --clients 1 64
+    STEP_S=330 run python3 benchmarks/kernels.py --no-compile --per-op-timeout 165 --ops rotate_mix mixing_stack
+    ;;
   proof)  # one call: aggregate op, fast-tier stack sweep + bar, model step both tiers + lean, service
     STEP_S=80 run python3 -m pytest -q -m gpu tests/kernels/test_aggregate.py tests/kernels/test_outer_sum.py -x
     STEP_S=60 run python3 benchmarks/kernels_aggregate.py --no-compile
