@@ -40,8 +40,13 @@ def peak_mb(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def write_results(out_dir: Path, benchmark: str, rows: list[Any], **extra: Any) -> Path:
-    """``<out_dir>/<benchmark>_<UTC stamp>.json`` with the GPU, versions, date and command."""
+def write_results(
+    out_dir: Path, benchmark: str, rows: list[Any], path: Path | None = None, **extra: Any
+) -> Path:
+    """``<out_dir>/<benchmark>_<UTC stamp>.json`` with the GPU, versions, date and command.
+
+    Pass the ``path`` an earlier call returned to rewrite that file: a benchmark that saves after
+    every case keeps what finished when its time box cuts it short."""
     stamp = dt.datetime.now(dt.UTC)
     report = {
         "benchmark": benchmark,
@@ -54,7 +59,8 @@ def write_results(out_dir: Path, benchmark: str, rows: list[Any], **extra: Any) 
         "rows": rows,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{benchmark}_{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
+    if path is None:
+        path = out_dir / f"{benchmark}_{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     return path

@@ -238,7 +238,8 @@ def main() -> None:
     else:
         cases = [(cw, lmax, f, r) for cw in (128, 256) for lmax in (2, 3) for f in (1, 2)
                  for r in (1, 2)]  # fmt: skip
-    rows = []
+    rows: list[dict[str, Any]] = []
+    path: Path | None = None
     for c_wide, lmax, n_focus, rank in cases:
         case_rows = [run_case(c_wide, lmax, n_focus, rank, args)]
         torch.cuda.empty_cache()
@@ -247,8 +248,8 @@ def main() -> None:
         for row in case_rows:
             print(json.dumps(row), flush=True)
         rows.extend(case_rows)
+        path = write_results(args.out, "rotate_mix", rows, path=path)
         torch.cuda.empty_cache()
-    write_results(args.out, "rotate_mix", rows)
 
 
 if __name__ == "__main__":
