@@ -159,8 +159,17 @@ def edge_chunk_for(
     if device.type != "cuda":
         return None
     needed = n_edges * config.n_blocks * value_path_bytes_per_edge(config)
+    return DEFAULT_EDGE_CHUNK if needed > AUTO_MEMORY_FRACTION * available_memory(device) else None
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes a step can still allocate: free on the device plus what PyTorch's caching allocator
+    holds but does not use. The driver's free figure alone shrinks for good after one large
+    request (the allocator keeps its blocks), which would push every later medium-size step of
+    a long-running server into the slower chunked mode."""
     free, _ = torch.cuda.mem_get_info(device)
-    return DEFAULT_EDGE_CHUNK if needed > AUTO_MEMORY_FRACTION * free else None
+    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + max(cached_unused, 0))
 
 
 def check_fast_tier(precision: str, path: str, device: torch.device) -> None:

@@ -81,3 +81,19 @@ def test_edge_chunk_policy() -> None:
     assert edge_chunk_for("auto", cfg, big, cpu, create_graph=False) is None
     with pytest.raises(ValueError, match="memory must be"):
         edge_chunk_for("tiny", cfg, big, cpu, create_graph=False)
+
+
+@pytest.mark.gpu
+def test_auto_mode_counts_cached_allocator_memory_as_available() -> None:
+    """After a large step frees its tensors, the caching allocator keeps the blocks: the auto
+    memory mode must still see them as available, or a long-running server would chunk every
+    later medium-size step."""
+    from service.model.potential import available_memory
+
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    before = available_memory(device)
+    block = torch.empty(2**30, dtype=torch.uint8, device=device)  # 1 GiB, then cached
+    del block
+    assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) >= 2**30
+    assert available_memory(device) >= before - 64 * 2**20
