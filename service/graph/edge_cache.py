@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from service.graph.neighbors import Graph
-from service.graph.radial import c3_envelope
+from service.graph.radial import c3_envelopes
 from service.graph.segments import csr_segment_sum
 from service.graph.wigner import edge_quaternion, wigner_d
 
@@ -99,14 +99,14 @@ def build_edge_cache(
     vec = edge_vec.to(dtype)
     length = torch.sqrt((vec * vec).sum(dim=-1) + eps * eps)
     rbf_exponent, message_exponent = env_exponents
-    env = c3_envelope(length, rcut, message_exponent)
+    env_rbf, env = c3_envelopes(length, rcut, (rbf_exponent, message_exponent))
     quat = edge_quaternion(vec, length, eps)
     deg = csr_segment_sum(env * env, graph.dst_rowptr).to(dtype)
     return EdgeCache(
         vec=vec,
         length=length,
         env=env,
-        env_rbf=c3_envelope(length, rcut, rbf_exponent),
+        env_rbf=env_rbf,
         quat=quat,
         wigner=wigner_d(quat, lmax).contiguous(),
         deg=deg,

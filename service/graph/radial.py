@@ -6,6 +6,7 @@ All are elementwise torch expressions, differentiable to any order, in the dtype
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -24,13 +25,33 @@ def c3_envelope(length: Tensor, rcut: float, exponent: int) -> Tensor:
     Equal to ``1 - O(x^p)`` near 0; value and first three derivatives vanish at ``rcut``, and it
     is exactly 0 (with zero gradient) beyond. Shape of ``length``.
     """
+    return c3_envelopes(length, rcut, (exponent,))[0]
+
+
+def c3_envelopes(length: Tensor, rcut: float, exponents: Sequence[int]) -> list[Tensor]:
+    """:func:`c3_envelope` for each of ``exponents``, in that order, sharing ``x``, ``u⁴`` and
+    the series: summed in increasing powers, each truncation is a partial sum on the way, so
+    every envelope costs one multiply beyond the longest series (few ops per edge cache)."""
+    if not exponents or min(exponents) < 1:
+        raise ValueError(f"envelope exponents must be >= 1, got {tuple(exponents)}")
+    coefficients = envelope_coefficients(max(exponents))
     x = length / rcut
     u = torch.clamp(1.0 - x, min=0.0, max=1.0)
-    series = torch.zeros_like(x)
-    for c in reversed(envelope_coefficients(exponent)):
-        series = series * x + c
     u2 = u * u
-    return u2 * u2 * series
+    u4 = u2 * u2
+    wanted = set(exponents)
+    envelopes: dict[int, Tensor] = {1: u4} if 1 in wanted else {}
+    series: Tensor | None = None
+    power = x
+    for k in range(1, len(coefficients)):
+        if series is None:
+            series = x * coefficients[k] + 1.0
+        else:
+            power = power * x
+            series = torch.add(series, power, alpha=coefficients[k])
+        if k + 1 in wanted:
+            envelopes[k + 1] = u4 * series
+    return [envelopes[p] for p in exponents]
 
 
 def initial_bessel_frequencies(

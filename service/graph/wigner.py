@@ -13,17 +13,19 @@ Conventions (load-bearing for checkpoints):
 * ``D^1 = Q R Qᵀ`` with ``Q·(x, y, z) = (−y, −z, x)``: the l=1 coefficients of a vector ``u``
   are ``(−u_y, −u_z, u_x)``. Generally ``D^l(R) Y^l(u) = Y^l(R u)`` with ``Y^l`` the real
   harmonics of the §2.3 basis (e3nn's at ``Q u``), packed ``[l², l²+2l]``, ``m = −l..l``.
-* ``D^l`` for l ≥ 2 is a homogeneous polynomial of degree 2l in the quaternion (the spin-l
-  representation of SU(2), made real). We evaluate it as ``monomials(q) @ table_l``; each table
-  is the exact expansion of the Cayley–Klein formula, built once per process in float64
-  (milliseconds, cached), never per call. Being a polynomial of a smooth quaternion, ``D`` is
-  C^∞ with finite derivatives of every order, including at r̂ = ±z. Evaluation is one small
-  GEMM per degree in the quaternion's dtype up to l = 4 (fp32: ≤ 7e-7 from the exact D on the
-  golden edges, the fp32 quaternion's own rounding) and in float64 from l = 5, whose tables'
-  coefficients (up to ~2e4) would amplify fp32 rounding to ~1.5e-6.
-* Under autograd :func:`wigner_d` keeps only the quaternion (16 B/edge in fp32) and recomputes
-  the polynomial in the backward, instead of keeping the powers and monomial products of every
-  degree; the recomputation is itself differentiable, so force training's double backward works.
+* ``D^l`` is a homogeneous polynomial of degree 2l in the quaternion (the spin-l representation
+  of SU(2), made real; l = 0, 1 included). We evaluate it as ``monomials(q) @ table``; each
+  degree's table is the exact expansion of the Cayley–Klein formula, built once per process in
+  float64 (milliseconds, cached), never per call, and the degrees are stacked block-diagonally
+  so all of them cost one gather, three products and one GEMM (the step is launch-bound). Being
+  a polynomial of a smooth quaternion, ``D`` is C^∞ with finite derivatives of every order,
+  including at r̂ = ±z. Degrees up to l = 4 are evaluated in the quaternion's dtype (fp32:
+  ≤ 7e-7 from the exact D on the golden edges, the fp32 quaternion's own rounding), from l = 5
+  in float64, whose tables' coefficients (up to ~2e4) would amplify fp32 rounding to ~1.5e-6.
+* Under autograd :func:`wigner_d` keeps only the quaternion (16 B/edge in fp32). Its backward is
+  the closed form ``∂D/∂q_c = monomials_{2l−1}(q) @ table'_c`` (exact derivative tables, also
+  stacked over degrees): two contractions with the incoming gradient, written in differentiable
+  torch ops so force training's double backward works.
 """
 
 from __future__ import annotations
@@ -39,26 +41,29 @@ from torch import Tensor
 MAX_LMAX = 8
 
 _CHUNK_FLOAT64_ENTRIES = 2**26
-"""Without autograd, edges are processed in chunks whose monomial matrix holds at most this many
-entries (512 MiB in float64)."""
+"""Without autograd, edges are processed in chunks whose monomial matrix (all degrees) holds at
+most this many entries (512 MiB in float64)."""
 
 FLOAT64_FROM_DEGREE = 5
 """Degrees from this one up are evaluated in float64 whatever the quaternion's dtype."""
 
-_L1_SIGNS = (-1.0, -1.0, 1.0)
-"""Signs of the l=1 coefficients (m = −1, 0, +1), fed by the axes (y, z, x): the coefficient
-vector of u is (−u_y, −u_z, u_x)."""
-
-
 # edge frame
+_CHART_AXES = (2, 1, 0, 0, 0, 0, 2, 1)
+_CHART_SIGNS = (1.0, 1.0, -1.0, 0.0, -1.0, 0.0, -1.0, 1.0)
+_CHART_OFFSETS = (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+"""Both charts of :func:`edge_quaternion`, ``q₊ = (1+z, y, −x, 0)`` then ``q₋ = (−x, 0, 1−z, y)``,
+as ``offset + sign · unit[axis]``: one gather and one fused multiply-add build them (exactly,
+the signs being ±1 or 0)."""
+
+
 def _normalize_or_zero(v: Tensor) -> Tensor:
-    """Rows of ``v`` scaled to unit length; rows of (near-)zero length become 0 with zero
-    gradient instead of NaN (such rows are always multiplied by a blend weight of exactly 0)."""
+    """Rows of ``v`` (last axis) scaled to unit length; rows of (near-)zero length become 0 with
+    zero gradient instead of NaN (such rows are always multiplied by a blend weight of exactly
+    0). The inverse norm is taken of a guarded argument, so no NaN enters even the backward."""
     norm2 = (v * v).sum(dim=-1, keepdim=True)
     degenerate = norm2 <= torch.finfo(v.dtype).tiny ** 0.5
-    safe = torch.where(degenerate, torch.ones_like(v), v)
-    unit = safe / torch.sqrt((safe * safe).sum(dim=-1, keepdim=True))
-    return torch.where(degenerate, torch.zeros_like(v), unit)
+    inverse = torch.where(degenerate, 0.0, torch.rsqrt(torch.where(degenerate, 1.0, norm2)))
+    return v * inverse
 
 
 def smooth_step(t: Tensor) -> Tensor:
@@ -78,14 +83,21 @@ def edge_quaternion(edge_vec: Tensor, edge_len: Tensor, eps: float = 1e-7) -> Te
         edge_len: (E,) ``sqrt(|r|² + eps²)``; r̂ is ``r / sqrt(edge_len² + eps²)`` as in the
             reference (eps enters twice; negligible, kept for bitwise studies).
     """
+    # Imported here for the reason given in edge_cache.EdgeCache.reduced_wigner.
+    from so2kernels._layout import device_constant
+
+    device, dtype = edge_vec.device, edge_vec.dtype
     unit = edge_vec / torch.sqrt(edge_len * edge_len + eps * eps).unsqueeze(-1)
-    x, y, z = unit.unbind(-1)
-    zero = torch.zeros_like(x)
-    q_pos = _normalize_or_zero(torch.stack((1.0 + z, y, -x, zero), dim=-1))
-    q_neg = _normalize_or_zero(torch.stack((-x, zero, 1.0 - z, y), dim=-1))
-    align = torch.where((q_pos * q_neg).sum(dim=-1) < 0.0, -1.0, 1.0).to(x.dtype)
-    blend = smooth_step(0.5 * (z + 1.0))
-    mixed = (blend * align).unsqueeze(-1) * q_pos + (1.0 - blend).unsqueeze(-1) * q_neg
+    charts = torch.addcmul(
+        device_constant(_CHART_OFFSETS, device, dtype),
+        unit.index_select(1, device_constant(_CHART_AXES, device, torch.int64)),
+        device_constant(_CHART_SIGNS, device, dtype),
+    )
+    q_pos, q_neg = _normalize_or_zero(charts.view(-1, 2, 4)).unbind(1)
+    align = torch.where((q_pos * q_neg).sum(dim=-1, keepdim=True) < 0.0, -1.0, 1.0)
+    # lerp is exactly q₋ at weight 0 and exactly the aligned q₊ at weight 1 (the poles).
+    blend = smooth_step(0.5 * (unit[:, 2:] + 1.0))
+    mixed = torch.lerp(q_neg, align * q_pos, blend)
     norm: Tensor = torch.linalg.vector_norm(mixed, dim=-1, keepdim=True)
     return mixed / norm
 
@@ -99,26 +111,6 @@ def quaternion_to_rotation(q: Tensor) -> Tensor:
         (2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)),
     )
     return torch.stack([torch.stack(r, dim=-1) for r in rows], dim=-2)
-
-
-def _to_l1_order(t: Tensor, dim: int) -> Tensor:
-    """Axis ``dim`` of size 3 reordered (x, y, z) → (y, z, x), the axes feeding the l=1
-    coefficients, by slices (an index list would be uploaded to the device on every call)."""
-    return torch.cat((t.narrow(dim, 1, 2), t.narrow(dim, 0, 1)), dim=dim)
-
-
-@cache
-def _l1_sign_products() -> tuple[tuple[float, ...], ...]:
-    return tuple(tuple(a * b for b in _L1_SIGNS) for a in _L1_SIGNS)
-
-
-def l1_block(rotation: Tensor) -> Tensor:
-    """(E, 3, 3) ``D^1 = Q R Qᵀ``: rows/columns of R permuted to (y, z, x) and signed."""
-    # Imported here for the reason given in edge_cache.EdgeCache.reduced_wigner.
-    from so2kernels._layout import device_constant
-
-    signs = device_constant(_l1_sign_products(), rotation.device, rotation.dtype)
-    return _to_l1_order(_to_l1_order(rotation, 1), 2) * signs
 
 
 # exact polynomial tables
@@ -195,14 +187,98 @@ def _table(l: int) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
     return exponents, np.ascontiguousarray(real_d.real.reshape(size * size, -1).T)
 
 
+def _degree_groups(lmax: int, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Degrees 0..lmax grouped by evaluation dtype: below :data:`FLOAT64_FROM_DEGREE` in
+    ``dtype``, from it on in float64 (one group when ``dtype`` is float64 already)."""
+    if dtype == torch.float64 or lmax < FLOAT64_FROM_DEGREE:
+        return [(tuple(range(lmax + 1)), dtype)]
+    return [
+        (tuple(range(FLOAT64_FROM_DEGREE)), dtype),
+        (tuple(range(FLOAT64_FROM_DEGREE, lmax + 1)), torch.float64),
+    ]
+
+
+def _block_size(degrees: tuple[int, ...]) -> int:
+    """Number of block entries ``Σ (2l+1)²`` of ``degrees``."""
+    return sum((2 * l + 1) ** 2 for l in degrees)
+
+
 @cache
-def _device_table(l: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Exponents (n, 4) int64 and coefficients (n, (2l+1)²) in ``dtype`` on ``device``: uploaded
-    once (read-only), as normal tensors even when first asked for under inference mode."""
-    exponents, coeffs = _table(l)
+def _value_table(degrees: tuple[int, ...]) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
+    """Exponents (n, 4) of the monomials of every degree ``2l`` (l in ``degrees``, concatenated)
+    and the block-diagonal coefficients (n, Σ(2l+1)²): one GEMM gives every block's entries,
+    block-major as in :func:`_block_positions`."""
+    parts = [_table(l) for l in degrees]
+    exponents = np.concatenate([e for e, _ in parts])
+    coeffs = np.zeros((len(exponents), _block_size(degrees)))
+    row = col = 0
+    for e, c in parts:
+        coeffs[row : row + len(e), col : col + c.shape[1]] = c
+        row, col = row + len(e), col + c.shape[1]
+    return exponents, coeffs
+
+
+@cache
+def _derivative_table(degrees: tuple[int, ...]) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
+    """Exponents (n', 4) of the monomials of every degree ``2l − 1`` (l ≥ 1 in ``degrees``) and
+    coefficients (Σ(2l+1)², 4·n') with ``∂D_s/∂q_c = Σ_k table[s, c·n' + k] · monomial_k(q)``:
+    the exact derivative of :func:`_value_table`'s polynomials, so a VJP is two contractions."""
+    orders = [l for l in degrees if l >= 1]
+    lowered = [_monomial_exponents(2 * l - 1) for l in orders]
+    n_lowered = sum(len(e) for e in lowered)
+    table = np.zeros((_block_size(degrees), 4, n_lowered))
+    row, col = 0, 0
+    for l in degrees:
+        size = (2 * l + 1) ** 2
+        if l >= 1:
+            exponents, coeffs = _table(l)
+            low = _monomial_exponents(2 * l - 1)
+            position = {tuple(e): col + i for i, e in enumerate(low.tolist())}
+            for k, exponent in enumerate(exponents.tolist()):
+                for c in range(4):
+                    if exponent[c] == 0:
+                        continue
+                    reduced = list(exponent)
+                    reduced[c] -= 1
+                    target = position[tuple(reduced)]
+                    table[row : row + size, c, target] += exponent[c] * coeffs[k]
+            col += len(low)
+        row += size
+    all_lowered = np.concatenate(lowered) if lowered else np.zeros((0, 4), dtype=np.int64)
+    return all_lowered, table.reshape(row, 4 * n_lowered)
+
+
+def _gather_index(exponents: NDArray[np.int64], max_power: int) -> NDArray[np.int64]:
+    """(4·n,) positions in flattened powers (E, 4·(max_power+1)) of ``q_c^{k_c}``, c-major."""
+    return (np.arange(4)[:, None] * (max_power + 1) + exponents.T).ravel()
+
+
+@cache
+def _device_value_table(
+    degrees: tuple[int, ...], device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Gather index (4·n,) int64 and coefficients (n, S) of :func:`_value_table` on ``device``:
+    uploaded once (read-only), as normal tensors even when first asked for in inference mode."""
+    exponents, coeffs = _value_table(degrees)
+    index = _gather_index(exponents, 2 * max(degrees))
     with torch.inference_mode(False), torch.no_grad():
         return (
-            torch.from_numpy(exponents).to(device),
+            torch.from_numpy(index).to(device),
+            torch.from_numpy(coeffs).to(device=device, dtype=dtype),
+        )
+
+
+@cache
+def _device_derivative_table(
+    degrees: tuple[int, ...], device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Gather index (4·n',) and coefficients (S, 4·n') of :func:`_derivative_table` on
+    ``device`` (uploaded once, read-only)."""
+    exponents, coeffs = _derivative_table(degrees)
+    index = _gather_index(exponents, 2 * max(degrees) - 1)
+    with torch.inference_mode(False), torch.no_grad():
+        return (
+            torch.from_numpy(index).to(device),
             torch.from_numpy(coeffs).to(device=device, dtype=dtype),
         )
 
@@ -222,65 +298,84 @@ def _block_positions(lmax: int, device: torch.device) -> Tensor:
 
 
 # evaluation
-def _monomials(powers: Tensor, exponents: Tensor) -> Tensor:
-    """(E, n) products ``Π_c q_c^{k_c}`` from per-component powers (4, E, degree+1)."""
-    out = powers[0].index_select(1, exponents[:, 0])
-    for c in range(1, 4):
-        out = out * powers[c].index_select(1, exponents[:, c])
-    return out
+def _monomials(q: Tensor, gather_index: Tensor, max_power: int) -> Tensor:
+    """(E, n) products ``Π_c q_c^{k_c}`` of the monomials addressed by ``gather_index``.
+
+    Powers come from repeated multiplication: unlike ``pow``, every derivative order stays
+    finite at q_c = 0 (the poles have exact zeros). One gather serves all four components."""
+    steps = [torch.ones_like(q), q]
+    for _ in range(2, max_power + 1):
+        steps.append(steps[-1] * q)
+    n_monomials = gather_index.shape[0] // 4  # explicit: with no edges -1 would be ambiguous
+    powers = torch.stack(steps[: max_power + 1], dim=-1).flatten(1)  # (E, 4·(max_power+1))
+    w, x, y, z = powers.index_select(1, gather_index).view(q.shape[0], 4, n_monomials).unbind(1)
+    return w * x * y * z
 
 
-def _powers(components: Tensor, degree: int) -> Tensor:
-    """(4, E, degree+1) ``q_c^k`` by repeated multiplication: unlike ``pow``, every derivative
-    order stays finite at q_c = 0 (the poles have exact zeros)."""
-    out = [torch.ones_like(components), components]
-    for _ in range(2, degree + 1):
-        out.append(out[-1] * components)
-    return torch.stack(out, dim=-1)
+def _block_values(q: Tensor, lmax: int) -> Tensor:
+    """(E, Σ(2l+1)²) entries of the blocks l = 0..lmax, block-major, in q's dtype."""
+    parts = []
+    for degrees, dtype in _degree_groups(lmax, q.dtype):
+        index, coeffs = _device_value_table(degrees, q.device, dtype)
+        parts.append((_monomials(q.to(dtype), index, 2 * max(degrees)) @ coeffs).to(q.dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def wigner_blocks(q: Tensor, lmax: int) -> list[Tensor]:
     """Per-degree real Wigner-D blocks ``[(E, 2l+1, 2l+1) for l in 0..lmax]`` in q's dtype."""
     if not 0 <= lmax <= MAX_LMAX:
         raise ValueError(f"wigner_d supports lmax in 0..{MAX_LMAX}, got {lmax}")
-    n_edges = q.shape[0]
-    blocks = [torch.ones(n_edges, 1, 1, dtype=q.dtype, device=q.device)]
-    if lmax >= 1:
-        blocks.append(l1_block(quaternion_to_rotation(q)))
-    powers: dict[torch.dtype, Tensor] = {}
-    for l in range(2, lmax + 1):
-        dtype = torch.float64 if l >= FLOAT64_FROM_DEGREE else q.dtype
-        if dtype not in powers:
-            powers[dtype] = _powers(q.to(dtype).T, 2 * lmax)  # (4, E, 2L+1)
-        exponents, coeffs = _device_table(l, q.device, dtype)
-        block = _monomials(powers[dtype], exponents) @ coeffs
-        blocks.append(block.view(n_edges, 2 * l + 1, 2 * l + 1).to(q.dtype))
-    return blocks
+    sizes = [(2 * l + 1) ** 2 for l in range(lmax + 1)]
+    flat = torch.split(_block_values(q, lmax), sizes, dim=1)
+    return [b.view(q.shape[0], 2 * l + 1, 2 * l + 1) for l, b in enumerate(flat)]
 
 
 def _dense_with_autograd(q: Tensor, lmax: int) -> Tensor:
     """(E, D, D) block-diagonal assembly of :func:`wigner_blocks`, differentiable."""
     n_edges, dim = q.shape[0], (lmax + 1) ** 2
-    values = torch.cat([b.flatten(1) for b in wigner_blocks(q, lmax)], dim=1)
     flat = torch.zeros(n_edges, dim * dim, dtype=q.dtype, device=q.device)
-    flat = flat.index_copy(1, _block_positions(lmax, q.device), values)
+    flat = flat.index_copy(1, _block_positions(lmax, q.device), _block_values(q, lmax))
     return flat.view(n_edges, dim, dim)
 
 
 def _dense_in_chunks(q: Tensor, lmax: int) -> Tensor:
     """(E, D, D) without autograd, edge chunks bounding the monomial intermediates."""
     n_edges, dim = q.shape[0], (lmax + 1) ** 2
-    out = torch.zeros(n_edges, dim, dim, dtype=q.dtype, device=q.device)
-    chunk = max(1, _CHUNK_FLOAT64_ENTRIES // len(_monomial_exponents(2 * max(lmax, 1))))
+    n_monomials = sum(len(_monomial_exponents(2 * l)) for l in range(lmax + 1))
+    chunk = max(1, _CHUNK_FLOAT64_ENTRIES // n_monomials)
+    if n_edges <= chunk:
+        return _dense_with_autograd(q, lmax)
+    out = torch.zeros(n_edges, dim * dim, dtype=q.dtype, device=q.device)
+    positions = _block_positions(lmax, q.device)
     for start in range(0, n_edges, chunk):
         rows = slice(start, min(start + chunk, n_edges))
-        for l, block in enumerate(wigner_blocks(q[rows], lmax)):
-            out[rows, l * l : (l + 1) ** 2, l * l : (l + 1) ** 2] = block
-    return out
+        out[rows].index_copy_(1, positions, _block_values(q[rows], lmax))
+    return out.view(n_edges, dim, dim)
+
+
+def _wigner_vjp(q: Tensor, grad: Tensor, lmax: int) -> Tensor:
+    """(E, 4) ``Σ_{ij} grad[e,i,j] ∂D[e,i,j]/∂q[e,c]`` in closed form from the derivative
+    tables, in differentiable torch ops (so force training can differentiate it again)."""
+    n_edges, dim = q.shape[0], (lmax + 1) ** 2
+    block_grad = grad.reshape(n_edges, dim * dim).index_select(1, _block_positions(lmax, q.device))
+    total: Tensor | None = None
+    offset = 0
+    for degrees, dtype in _degree_groups(lmax, q.dtype):
+        size = _block_size(degrees)
+        part = block_grad.narrow(1, offset, size).to(dtype)
+        offset += size
+        if max(degrees) == 0:
+            continue  # D^0 = 1 is constant
+        index, coeffs = _device_derivative_table(degrees, q.device, dtype)
+        monomials = _monomials(q.to(dtype), index, 2 * max(degrees) - 1)  # (E, n')
+        weights = (part @ coeffs).view(n_edges, 4, coeffs.shape[1] // 4)  # (E, 4, n')
+        contribution = (weights @ monomials.unsqueeze(-1)).squeeze(-1).to(q.dtype)
+        total = contribution if total is None else total + contribution
+    return torch.zeros_like(q) if total is None else total
 
 
 class _RecomputedWigner(torch.autograd.Function):
-    """``wigner_d`` that saves only ``q`` and re-evaluates the polynomial in the backward."""
+    """``wigner_d`` that saves only ``q``; the backward evaluates the derivative polynomials."""
 
     @staticmethod
     def forward(q: Tensor, lmax: int) -> Tensor:
@@ -296,15 +391,10 @@ class _RecomputedWigner(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        # Grad mode is on here exactly when the caller asked for create_graph; the VJP is then
+        # recorded against q and grad, so the gradient is differentiable again.
         (q,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        # Grad mode is on here exactly when the caller asked for create_graph: then the
-        # recomputation stays attached to q so the gradient is differentiable again.
-        create_graph = torch.is_grad_enabled()
-        with torch.enable_grad():
-            point = q if create_graph else q.detach().requires_grad_(True)
-            dense = _dense_with_autograd(point, ctx.lmax)  # type: ignore[attr-defined]
-            (grad_q,) = torch.autograd.grad(dense, point, grad, create_graph=create_graph)
-        return grad_q, None
+        return _wigner_vjp(q, grad, ctx.lmax), None  # type: ignore[attr-defined]
 
 
 def wigner_d(q: Tensor, lmax: int) -> Tensor:
@@ -313,7 +403,7 @@ def wigner_d(q: Tensor, lmax: int) -> Tensor:
     ``D[e, l²+l+m', l²+l+m] = D^l_{m'm}(q_e)``; off-block entries are exactly 0. Rotation to the
     edge frame is ``x_loc = D @ x_glob`` (maps r̂ to the local +z axis); back is ``Dᵀ``.
     Evaluated in edge chunks (bounded intermediates); under autograd only ``q`` is kept and the
-    backward recomputes.
+    backward evaluates the closed-form derivative.
     """
     if not 0 <= lmax <= MAX_LMAX:
         raise ValueError(f"wigner_d supports lmax in 0..{MAX_LMAX}, got {lmax}")

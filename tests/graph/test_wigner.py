@@ -213,7 +213,8 @@ def test_chunked_no_grad_path_equals_autograd_path(monkeypatch: pytest.MonkeyPat
     import service.graph.wigner as wigner_module
 
     q = _random_quat(37, 10)
-    monkeypatch.setattr(wigner_module, "_CHUNK_FLOAT64_ENTRIES", 84 * 5)  # 5 edges per chunk
+    # The limit counts the monomials of all degrees together (130 per edge at lmax 3).
+    monkeypatch.setattr(wigner_module, "_CHUNK_FLOAT64_ENTRIES", 130 * 5)  # 5 edges per chunk
     chunked = wigner_d(q, 3)
     dense = wigner_module._dense_with_autograd(q.clone().requires_grad_(True), 3)
     assert torch.equal(chunked, dense.detach())
@@ -232,8 +233,8 @@ def test_fp32_evaluation_per_degree_vs_golden(golden: np.lib.npyio.NpzFile) -> N
 
 
 def test_backward_keeps_only_the_quaternion() -> None:
-    """The recomputing backward saves q alone (no powers or monomials), and its gradient equals
-    differentiating the plain evaluation."""
+    """The recomputing backward saves q alone (no powers or monomials), and its fp32 gradient is
+    the float64 gradient of the plain evaluation to fp32 rounding (1e-6 of the largest entry)."""
     import service.graph.wigner as wigner_module
 
     q = _random_quat(50, 11).float().requires_grad_(True)
@@ -243,9 +244,11 @@ def test_backward_keeps_only_the_quaternion() -> None:
     assert len(saved) == 1 and saved[0].shape == (50, 4)
     weights = torch.randn(d.shape, generator=torch.Generator().manual_seed(3))
     (got,) = torch.autograd.grad((d * weights).sum(), q)
-    plain = wigner_module._dense_with_autograd(q, 4)
-    (expected,) = torch.autograd.grad((plain * weights).sum(), q)
-    torch.testing.assert_close(got, expected, rtol=0.0, atol=1e-5)
+    q64 = q.detach().double().requires_grad_(True)
+    plain = wigner_module._dense_with_autograd(q64, 4)
+    (expected,) = torch.autograd.grad((plain * weights.double()).sum(), q64)
+    error = (got.double() - expected).abs().max().item()
+    assert error <= 1e-6 * expected.abs().max().item(), error
 
 
 def test_gradgradcheck_through_recomputation() -> None:
