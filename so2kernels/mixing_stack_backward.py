@@ -229,6 +229,22 @@ def _final_layer_weight_grads(args: StackBwdArgs, m0: int) -> tuple[Tensor, Tens
     return _block_weight_grads(args.u_final, scaled, m0)
 
 
+def _backward_weights(
+    args: StackBwdArgs, precision: StackPrecision
+) -> tuple[tuple[Tensor, Tensor], ...]:
+    """Weights as the backward kernels read them, in the tier's operand form: the transposed
+    block weights (w0ᵀ, w1ᵀ), the gate projections and their transposes."""
+    return tuple(
+        weight_operands(w, precision)
+        for w in (
+            args.w0_all.transpose(2, 3),
+            args.w1_all.transpose(2, 3),
+            args.gw_all,
+            args.gw_all.transpose(2, 3),
+        )
+    )
+
+
 def _weight_grad_buffers(args: StackBwdArgs) -> tuple[Tensor, Tensor, Tensor]:
     if not args.need_weights:
         return _empty_weight_grads(args.u0)
@@ -238,17 +254,15 @@ def _weight_grad_buffers(args: StackBwdArgs) -> tuple[Tensor, Tensor, Tensor]:
 def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
     """Exact-tier traversal (IEEE fp32 dots). Per gated layer: gate backward, scalar backward,
     two residual GEMMs. Inputs contiguous fp32; activations and cotangents focus first."""
-    (grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+    # The weights themselves are read through _backward_weights.
+    (grad_out, x_local, z_all, u_final, alpha, u0, *_weights, grad_z, grad_u,
      lmax, focus_dim, apply_alpha, need_weights) = args  # fmt: skip
     n_gated, n_focus, n_edge, _ = z_all.shape
     m0, m1, gate_width = block_widths(lmax, focus_dim)
     precision = StackPrecision.EXACT
     run = _Launcher.of("bwd", args, precision)
     gate_run = _Launcher.of("gate", args, precision)
-    w0t = weight_operands(w0_all.transpose(2, 3), precision)
-    w1t = weight_operands(w1_all.transpose(2, 3), precision)
-    gws = weight_operands(gw_all, precision)
-    gwts = weight_operands(gw_all.transpose(2, 3), precision)
+    w0t, w1t, gws, gwts = _backward_weights(args, precision)
 
     grad_alpha = _grad_alpha(grad_out, x_local, alpha, apply_alpha)
     g = torch.empty_like(u_final)
@@ -305,7 +319,8 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     split the GEMM would make), so the two residual GEMMs feed those planes to the tensor cores
     as loaded instead of re-splitting ``gz`` once per output-column tile.
     """
-    (grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+    # The weights themselves are read through _backward_weights.
+    (grad_out, x_local, z_all, u_final, alpha, u0, *_weights, grad_z, grad_u,
      lmax, focus_dim, apply_alpha, need_weights) = args  # fmt: skip
     n_gated, n_focus, n_edge, _ = z_all.shape
     m0, m1, gate_width = block_widths(lmax, focus_dim)
@@ -313,10 +328,7 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     final_run = _Launcher.of("fbwd", args, precision)
     block_run = _Launcher.of("bwd", args, precision)
     gate_run = _Launcher.of("gate", args, precision)
-    w0t = weight_operands(w0_all.transpose(2, 3), precision)
-    w1t = weight_operands(w1_all.transpose(2, 3), precision)
-    gws = weight_operands(gw_all, precision)
-    gwts = weight_operands(gw_all.transpose(2, 3), precision)
+    w0t, w1t, gws, gwts = _backward_weights(args, precision)
 
     g = torch.empty_like(u_final)
     # Without alpha there are no partials; g stands in for the unused pointer.
