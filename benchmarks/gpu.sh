@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh verify|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|recheck|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -41,6 +41,11 @@ case "$topic" in
     STEP_S=120 run python3 -m pytest -q -m gpu tests/model/test_golden_systems.py tests/model/test_captured.py tests/model/test_fast_tier.py tests/graph/test_sync_free.py
     STEP_S=110 run python3 benchmarks/model.py --cases bar:192,12288 --paths fused fused-fp16x3 --profile --repeats 5 --no-agreement
     STEP_S=70 run python3 benchmarks/model.py --cases bar:73728 --paths fused-fp16x3 --memory lean --no-agreement --repeats 2
+    ;;
+  recheck)  # after CPU-only changes to graph/model: their gpu tests, the stack's, then 192-12k steps
+    STEP_S=230 run python3 -m pytest -q -m gpu tests/graph tests/model
+    STEP_S=100 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py
+    STEP_S=150 run python3 benchmarks/model.py --cases bar:192,1536,12288 --paths fused fused-fp16x3 --profile --repeats 5 --no-agreement "$@"
     ;;
   final)  # end of session: model + service gpu tests, service bench, bar model, preset matrix
     STEP_S=100 run python3 -m pytest -q -m gpu tests/model/test_golden_systems.py tests/model/test_captured.py tests/model/test_fast_tier.py tests/graph/test_sync_free.py
