@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh verify|recheck|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|recheck|matrix|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -46,6 +46,11 @@ case "$topic" in
     STEP_S=230 run python3 -m pytest -q -m gpu tests/graph tests/model
     STEP_S=100 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py
     STEP_S=150 run python3 benchmarks/model.py --cases bar:192,1536,12288 --paths fused fused-fp16x3 --profile --repeats 5 --no-agreement "$@"
+    ;;
+  matrix)  # issue #4's size matrix: small/medium at 192..98k + largest fitting, fused vs reference vs compiled; bar at 98k + largest
+    STEP_S=170 run python3 benchmarks/model.py --cases small:192,1536,12288,98304 medium:192,1536,12288,98304 bar:98304 --paths fused --memory auto --no-agreement --repeats 2 --find-max --max-atoms 400000
+    STEP_S=100 run python3 benchmarks/model.py --cases small:192,1536,12288,98304 medium:192,1536,12288,98304 --paths fused-fp16x3 --memory auto --no-agreement --repeats 2
+    STEP_S=220 run python3 benchmarks/model.py --cases small:192,1536,12288,98304 medium:192,1536,12288,98304 --paths compiled reference --compile-configs small medium --compile-max-atoms 98304 --memory auto --no-agreement --repeats 2
     ;;
   final)  # end of session: model + service gpu tests, service bench, bar model, preset matrix
     STEP_S=100 run python3 -m pytest -q -m gpu tests/model/test_golden_systems.py tests/model/test_captured.py tests/model/test_fast_tier.py tests/graph/test_sync_free.py

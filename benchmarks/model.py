@@ -248,20 +248,30 @@ def profile_step(
     return out
 
 
-def run_case(
-    cfg_name: str, n_atoms: int, path: str, props: tuple[str, ...], args: argparse.Namespace,
-    memory: str,
-) -> dict[str, Any]:  # fmt: skip
-    cfg = CONFIGS[cfg_name]()
-    model = randomized_model(cfg)
+def make_potential(cfg_name: str, path: str, memory: str) -> Potential:
+    """A random-weight potential of ``cfg_name`` on the bench path; ``compiled`` wraps the
+    reference model in ``torch.compile(dynamic=True)``."""
     value_path, precision, eager = parse_bench_path(path)
     pot = Potential(
-        model, device="cuda", path=value_path, precision=precision, memory=memory,
-        capture=False if eager or path == "compiled" else None,
+        randomized_model(CONFIGS[cfg_name]()), device="cuda", path=value_path,
+        precision=precision, memory=memory, capture=False if eager or path == "compiled" else None,
     )  # fmt: skip
-    structures = water_box(n_atoms)  # on the host, as a request arrives
     if path == "compiled":
         pot.model = torch.compile(pot.model, dynamic=True)  # type: ignore[assignment]
+    return pot
+
+
+def run_case(
+    cfg_name: str, n_atoms: int, path: str, props: tuple[str, ...], args: argparse.Namespace,
+    memory: str, pot: Potential | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One size. ``pot`` (kept by the caller across sizes) spares a compiled series from
+    compiling again for every size; otherwise a fresh potential is made and released."""
+    owned = pot is None
+    if pot is None:
+        pot = make_potential(cfg_name, path, memory)
+    precision = parse_bench_path(path)[1]
+    structures = water_box(n_atoms)  # on the host, as a request arrives
     row: dict[str, Any] = {
         "config": cfg_name,
         "n_atoms": int(structures.n_atoms),
@@ -276,8 +286,9 @@ def run_case(
         pot.predict(structures, props)  # warm-up (compile, autotune)
         torch.cuda.synchronize()
         row["first_call_s"] = time.perf_counter() - t0
-        for _ in range(RECORD_AFTER):  # small shapes: recorded as a CUDA graph on a later hit
-            pot.predict(structures, props)
+        if row["cuda_graphs"]:  # small shapes: recorded as a CUDA graph on a later hit
+            for _ in range(RECORD_AFTER):
+                pot.predict(structures, props)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         repeats = args.repeats if n_atoms >= 2000 else max(args.repeats, SMALL_STEP_REPEATS)
@@ -290,12 +301,13 @@ def run_case(
             peak_mib=peak,
             mib_per_atom=peak / structures.n_atoms,
         )
-        if path != "compiled":
+        if path != "compiled" and n_atoms <= args.profile_max_atoms:
             row["profile"] = profile_step(pot, structures, props, args.profile)
     except torch.cuda.OutOfMemoryError:
         row["error"] = "out of memory"
     finally:
-        pot.model = pot.model.cpu()  # free the weights and cached packs before the next case
+        if owned:
+            pot.model = pot.model.cpu()  # free the weights and cached packs before the next case
         torch.cuda.empty_cache()
     return row
 
@@ -307,9 +319,11 @@ def run_series(
     """One (config, path, memory) series over increasing sizes; stops at the first OOM. With
     ``--find-max`` it keeps doubling past the last size until a run does not fit."""
     props = ("energy", "forces", "stress") if args.stress else ("energy", "forces")
+    # One compiled model for the whole series: its first row's first_call_s is the compile.
+    shared = make_potential(cfg_name, path, memory) if path == "compiled" else None
     largest = 0
     for n in sorted(sizes):
-        row = run_case(cfg_name, n, path, props, args, memory)
+        row = run_case(cfg_name, n, path, props, args, memory, shared)
         emit("rows", row)
         if "error" in row:
             break
@@ -317,7 +331,7 @@ def run_series(
     else:
         n = 2 * max(sizes)
         while args.find_max and n <= args.max_atoms:
-            row = run_case(cfg_name, n, path, props, args, memory)
+            row = run_case(cfg_name, n, path, props, args, memory, shared)
             emit("rows", row)
             if "error" in row:
                 break
@@ -327,6 +341,10 @@ def run_series(
         "rows",
         {"config": cfg_name, "path": path, "memory": memory, "largest_fitting_atoms": largest},
     )
+    if shared is not None:
+        shared.model = shared.model.cpu()
+        torch._dynamo.reset()  # drop the compiled graphs with the model they guard
+        torch.cuda.empty_cache()
 
 
 AGREEMENT_RUNS = {
@@ -461,6 +479,11 @@ def main() -> None:
     parser.add_argument("--compile-max-atoms", type=int, default=1536)
     parser.add_argument("--memory", nargs="+", default=["fast"], choices=list(MEMORY_MODES))
     parser.add_argument("--profile", action="store_true", help="store top-30 kernels / CPU ops")
+    parser.add_argument(
+        "--profile-max-atoms", type=int, default=16384,
+        help="profile one step (phase and kernel split) only up to this size: beyond it an "
+        "extra multi-second step would cost more device time than it tells",
+    )  # fmt: skip
     parser.add_argument("--find-max", action="store_true", help="double sizes until OOM")
     parser.add_argument("--max-atoms", type=int, default=1_600_000)
     parser.add_argument("--stress", action="store_true", help="also compute the stress")
