@@ -4,13 +4,17 @@ Run on the GPU machine from the repository root:
 
     python benchmarks/graph.py                 # all sizes -> benchmarks/results/graph.json
     python benchmarks/graph.py --sizes 1 2 4   # replication factors n (192·n³ atoms)
+    python benchmarks/graph.py --sizes 1 2 3 4 5 --neighbors-only   # the search crossover
 
 Boxes tile the 192-atom frame 0 of ``water/data_0`` (from ../shared or the carried .gpu_data copy;
 a random water-density box if neither exists). Reported per size: atoms, edges, median ms,
-edges/s and peak device memory of (a) the neighbour list on the device (torch cell list), next to
-(a') what a CUDA request of that size actually gets (``build_graph`` backend ``auto``: vesin on
-the host plus one copy of the graph up to ``VESIN_MAX_ATOMS`` atoms), (b) edge vectors + edge
-cache for lmax 2 and 3 without autograd and (c) with the edge-vector leaf requiring grad (what an
+edges/s and peak device memory of (a) the neighbour list on the device (torch cell list,
+``neighbor``), next to what a request from the host pays, the packed copy to the device
+included: ``neighbor_direct`` (the Triton all-pairs search, with ``direct_candidates``),
+``neighbor_host`` (vesin and the whole graph on the host, then one copy) and ``neighbor_auto``
+(``auto``'s pick, in ``neighbor_auto_backend``); ``neighbor_direct_ms`` against ``neighbor_ms``
+sets ``DIRECT_MAX_CANDIDATES``. Unless ``--neighbors-only``: (b) edge vectors + edge cache for
+lmax 2 and 3 without autograd and (c) with the edge-vector leaf requiring grad (what an
 energy+force step builds), (d) the float64 force/virial assembly from a stand-in ∂E/∂r, plus CPU
 validation and the CPU vesin path for the smaller boxes.
 
@@ -45,11 +49,20 @@ from service.graph import (  # noqa: E402
     build_graph,
     edge_vectors,
 )
-from service.graph.neighbors import Graph, resolve_backend  # noqa: E402
+from service.graph.cell_list import COINCIDENT_DISTANCE  # noqa: E402
+from service.graph.neighbors import (  # noqa: E402
+    Backend,
+    Graph,
+    place_and_build_graph,
+    resolve_backend,
+)
+from service.graph.pair_search import image_windows  # noqa: E402
 
 RCUT = 6.0
 DEFAULT_SIZES = (1, 2, 4, 8, 17)  # 192, 1536, 12288, 98304, 943296 atoms
 EDGES_PER_ATOM = 95.0  # water at rcut 6 Å (measured 88.9 on frame 0), with margin
+DIRECT_BENCH_MAX_CANDIDATES = 2**34  # ~60k atoms of water: past any plausible crossover
+HOST_BENCH_MAX_ATOMS = 20_000
 
 
 def water_frame() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -183,7 +196,39 @@ def assembly_runner(graph: Graph, structures: Structures) -> Callable[[], Any]:
     return lambda: assemble_forces_virial(graph, edge_grad, edge_vec)
 
 
-def bench_size(n: int, device: torch.device, repeats: int, memory: MemoryModel) -> dict[str, Any]:
+def request_from_host(
+    host: Structures, device: torch.device, backend: Backend
+) -> Callable[[], Any]:
+    return lambda: place_and_build_graph(host, RCUT, device, backend=backend)
+
+
+def bench_search_paths(
+    row: dict[str, Any], host: Structures, device: torch.device, n_edges: int,
+    memory: MemoryModel, repeats: int,
+) -> None:  # fmt: skip
+    """Next to the device cell list (``neighbor``): what a request from the host pays for each
+    search, the batch's packed copy to the device included (``place_and_build_graph``):
+    ``neighbor_direct`` (the Triton all-pairs search), ``neighbor_host`` (vesin, canonical order
+    and CSRs on the host, then one copy) and ``neighbor_auto`` (what ``auto`` picks, named in
+    ``neighbor_auto_backend``); plus vesin's whole graph on the CPU."""
+    windows = image_windows(host.cells, host.pbc, host.ptr, RCUT, COINCIDENT_DISTANCE)
+    row["direct_candidates"] = windows.n_candidates
+    row["neighbor_auto_backend"] = resolve_backend(device, "auto", windows)
+    paths: dict[str, Backend] = {"neighbor_auto": "auto"}
+    if device.type == "cuda" and windows.n_candidates <= DIRECT_BENCH_MAX_CANDIDATES:
+        paths["neighbor_direct"] = "direct"
+    if host.n_atoms <= HOST_BENCH_MAX_ATOMS:
+        paths["neighbor_host"] = "vesin"
+    for key, backend in paths.items():
+        run_case(row, key, request_from_host(host, device, backend), n_edges, memory, repeats)
+    if host.n_atoms <= HOST_BENCH_MAX_ATOMS:
+        cpu_ms, _ = timed(lambda: build_graph(host, RCUT, backend="vesin"), torch.device("cpu"), 1)
+        row["neighbor_vesin_cpu_ms"] = cpu_ms
+
+
+def bench_size(
+    n: int, device: torch.device, repeats: int, memory: MemoryModel, neighbors_only: bool
+) -> dict[str, Any]:
     item = tiled(n)
     row: dict[str, Any] = {"replication": n}
     validate_ms, structures = timed(lambda: Structures.from_arrays([item]), torch.device("cpu"), 1)
@@ -198,20 +243,9 @@ def bench_size(n: int, device: torch.device, repeats: int, memory: MemoryModel) 
     if graph is None:
         return row
     row["n_edges"] = graph.n_edges
-    # What a request of this size gets on CUDA: backend "auto" (vesin on the host + one copy of
-    # the graph for batches up to VESIN_MAX_ATOMS atoms, the device cell list above).
-    row["neighbor_auto_backend"] = resolve_backend(on_device, "auto")
-    if row["neighbor_auto_backend"] == "vesin":
-        auto = run_case(
-            row, "neighbor_auto", lambda: build_graph(on_device, RCUT), graph.n_edges, memory,
-            repeats,
-        )  # fmt: skip
-        del auto
-    if structures.n_atoms <= 20_000:
-        cpu_ms, _ = timed(
-            lambda: build_graph(structures, RCUT, backend="vesin"), torch.device("cpu"), 1
-        )
-        row["neighbor_vesin_cpu_ms"] = cpu_ms
+    bench_search_paths(row, structures, device, graph.n_edges, memory, repeats)
+    if neighbors_only:
+        return row
     run_case(row, "assembly", assembly_runner(graph, on_device), graph.n_edges, memory, repeats)
     for lmax in (2, 3):
         for with_grad in (False, True):
@@ -228,6 +262,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=list(DEFAULT_SIZES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--neighbors-only", action="store_true",
+        help="only the neighbour-list columns (the crossover sweep), no edge cache or assembly",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "graph.json")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -235,7 +273,7 @@ def main() -> None:
     memory = MemoryModel(device)
     for n in sorted(args.sizes):
         repeats = args.repeats if n < 8 else max(1, args.repeats // 2)
-        row = bench_size(n, device, repeats, memory)
+        row = bench_size(n, device, repeats, memory, args.neighbors_only)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the size's graph and boxes are gone with bench_size
         print(json.dumps(row), flush=True)

@@ -42,7 +42,7 @@ COINCIDENT_DISTANCE = 1e-4
 """Å. Distinct atoms (or an atom and its own image) closer than this are rejected: far below any
 physical distance, far above the 1e-5 Å under which the reference model silently drops pairs."""
 
-_WINDOW_MARGIN = 1.0 + 1e-6
+WINDOW_MARGIN = 1.0 + 1e-6
 """Search windows are this much wider than the cutoff, so rounding in the fractional
 coordinates can never push a pair at exactly the cutoff outside the window."""
 
@@ -141,7 +141,7 @@ class _Grid:
     atom_order: Tensor
 
 
-def _binning_frames(cells: Tensor, pbc: Tensor) -> Tensor:
+def binning_frames(cells: Tensor, pbc: Tensor) -> Tensor:
     """(B, 3, 3) rows: lattice vectors on periodic axes, orthonormal complement elsewhere."""
     periodic_rows = cells * pbc.unsqueeze(-1)
     row_space = torch.linalg.pinv(periodic_rows) @ periodic_rows
@@ -175,7 +175,7 @@ def _build_grid(
     bins_per_cutoff: int,
 ) -> _Grid:
     n_structures = cells.shape[0]
-    frames = _binning_frames(cells, pbc)
+    frames = binning_frames(cells, pbc)
     inverse = torch.linalg.inv(frames)
     frac = row_times_matrix(positions, inverse, batch)
     atom_pbc = pbc.index_select(0, batch)
@@ -197,7 +197,7 @@ def _build_grid(
     # Normalised coordinate u in [0, 1] per axis; a partner within the cutoff differs by at most
     # cutoff/span in u, so the bins to visit are those overlapping [u - reach, u + reach].
     local = (frac - origin.index_select(0, batch)) / extent.index_select(0, batch).clamp(min=1e-300)
-    reach = (cutoff * _WINDOW_MARGIN / span.clamp(min=1e-300)).index_select(0, batch)
+    reach = (cutoff * WINDOW_MARGIN / span.clamp(min=1e-300)).index_select(0, batch)
     atom_bins = n_bins.index_select(0, batch)
     lo = torch.floor((local - reach) * atom_bins).clamp(-_FAR, _FAR)
     hi = torch.floor((local + reach) * atom_bins).clamp(-_FAR, _FAR)

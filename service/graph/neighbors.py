@@ -1,24 +1,34 @@
 """The per-evaluation graph: full neighbour list over periodic images, CSR indices, edge vectors.
 
-Backends (same output, bit for bit: both are put in canonical order ``dst, src, shift``):
+Backends (same output, bit for bit: all are put in canonical order ``dst, src, shift``):
 
+* ``"direct"`` — :mod:`service.graph.pair_search`, an all-pairs search in two Triton passes on
+  the structures' device (CUDA, or the CPU under ``TRITON_INTERPRET=1``): a handful of launches
+  and one host read, O(Σ n_b²·K_b) work (K_b periodic images per pair, 1 unless the cell is
+  thinner than twice the cutoff). The default on CUDA up to :data:`DIRECT_MAX_CANDIDATES`.
 * ``"torch"`` — :mod:`service.graph.cell_list`, a batched O(N) cell list in plain torch. It runs
-  on the structures' device, so a CUDA request never round-trips atoms or edges through the host,
-  handles triclinic, tiny (many images), mixed-pbc and cell-less structures in one call, and
-  chunks its candidate arrays so 1M-atom boxes fit. The default for large batches on CUDA.
+  on the structures' device, handles triclinic, tiny (many images), mixed-pbc and cell-less
+  structures in one call, and chunks its candidate arrays so 1M-atom boxes fit; it costs a few
+  dozen launches and several host reads. The default for large batches on CUDA.
 * ``"vesin"`` — vesin's C++ cell list, one structure at a time, on the host. The whole graph
   (pairs, coincidence check, canonical order, CSRs) is built on the host and copied to the
   structures' device once. Its pairs are re-checked with our own edge-vector arithmetic so the
-  coincidence rule is the same.
+  coincidence rule is the same. The default for CPU batches.
 
-``"auto"`` picks vesin (when importable) for CPU tensors and for CUDA batches of at most
-:data:`VESIN_MAX_ATOMS` atoms, torch otherwise. Nothing ever caps the number of neighbours.
+``"auto"`` picks vesin (when importable) for CPU batches; on CUDA, direct while its candidate
+count Σ n_b²·K_b stays within :data:`DIRECT_MAX_CANDIDATES`, torch beyond. Nothing ever caps
+the number of neighbours.
+
+:func:`place_and_build_graph` is the request path: a batch validated on the host goes to the
+device in one packed copy (with the direct search's per-structure table), and its graph is
+built there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -35,14 +45,20 @@ from service.graph.cell_list import (
 )
 from service.graph.structures import Structures
 
-Backend = Literal["auto", "torch", "vesin"]
+if TYPE_CHECKING:
+    from service.graph.pair_search import ImageWindows
 
-VESIN_MAX_ATOMS = 384
-"""``auto`` on CUDA: batches up to this many atoms go to vesin on the host. Measured on an H200
-host (water, rcut 6 Å, `benchmarks/results/graph_h200_2026-11-29.json`): the device cell list
-costs a near-constant ~7 ms (a few dozen small launches and host syncs for data-dependent sizes)
-from 192 to 12k atoms, the host path (vesin, canonical order, CSRs, one copy) 5.2 ms at 192 atoms
-and ~21 ms at 1,536; they cross near 400 atoms."""
+Backend = Literal["auto", "direct", "torch", "vesin"]
+Search = Literal["direct", "torch", "vesin"]
+SEARCHES: tuple[Search, ...] = ("direct", "torch", "vesin")
+
+DIRECT_MAX_CANDIDATES = 2**28
+"""``auto`` on CUDA: batches whose direct search visits at most this many candidates
+(Σ_b n_b²·K_b) use it, larger ones the torch cell list. A conservative guess, not yet measured:
+the cell list costs a near-constant ~7 ms up to 12k atoms on an H200, and the direct search's
+two passes are expected to cost ~1 ms per 1.5·10^8 candidates (12,288² at one image per pair),
+so the crossover should lie above 2^28 (about 16k atoms of water at 6 Å). Set it from the
+``neighbor_direct_ms`` and ``neighbor_ms`` columns of ``benchmarks/graph.py``."""
 
 
 @dataclass(frozen=True)
@@ -110,15 +126,168 @@ def build_graph(
 
     Every ordered pair with ``0 < |r| ≤ rcut`` over all periodic images (self-images included).
     Raises :class:`InvalidStructureError` (``'coincident_atoms'``) for pairs closer than
-    ``min_distance``.
+    ``min_distance``. The direct search of a batch already on the device reads its cells back
+    first (one extra host read); :func:`place_and_build_graph` avoids that for host batches.
     """
-    if not rcut > 0.0:
-        raise ValueError(f"rcut must be positive, got {rcut}")
-    if resolve_backend(structures, backend) == "vesin":
+    _check_cutoff(rcut)
+    device = structures.device
+    windows = None
+    if _may_search_directly(device, backend):
+        windows = _image_windows(
+            structures.cells.cpu(), structures.pbc.cpu(), structures.ptr.cpu(), rcut, min_distance
+        )
+    search = resolve_backend(device, backend, windows)
+    if search == "direct":
+        assert windows is not None
+        table = torch.from_numpy(windows.table).to(device, non_blocking=True)
+        return _direct_graph(structures, table, windows, rcut, min_distance, candidate_budget)
+    if search == "vesin":
         host = structures.to("cpu")
         pairs = _vesin_pairs(host, rcut, min_distance)
         if pairs is not None:
-            return graph_from_pairs(host, pairs).to(structures.device)
+            return graph_from_pairs(host, pairs).to(device)
+    return _cell_list_graph(structures, rcut, min_distance, candidate_budget)
+
+
+def place_and_build_graph(
+    structures: Structures,
+    rcut: float,
+    device: torch.device | str,
+    *,
+    backend: Backend = "auto",
+    min_distance: float = COINCIDENT_DISTANCE,
+    candidate_budget: int = 2**25,
+) -> tuple[Structures, Graph]:
+    """The batch on ``device`` and its graph there (see :func:`build_graph`), with as few
+    transfers as possible: a host batch bound for an accelerator travels in one packed,
+    non-blocking copy together with the direct search's table (or, for vesin, with its graph),
+    so the direct search's edge count is the only host read."""
+    _check_cutoff(rcut)
+    device = torch.device(device)
+    if structures.device.type != "cpu" or device.type == "cpu":
+        placed = structures.to(device)
+        graph = build_graph(
+            placed, rcut, backend=backend, min_distance=min_distance,
+            candidate_budget=candidate_budget,
+        )  # fmt: skip
+        return placed, graph
+    windows = None
+    if _may_search_directly(device, backend):
+        windows = _image_windows(
+            structures.cells, structures.pbc, structures.ptr, rcut, min_distance
+        )
+    search = resolve_backend(device, backend, windows)
+    if search == "direct":
+        assert windows is not None
+        *moved, table = transfer_packed(
+            [*_structure_tensors(structures), torch.from_numpy(windows.table)], device
+        )
+        placed = Structures(*moved)
+        graph = _direct_graph(placed, table, windows, rcut, min_distance, candidate_budget)
+        return placed, graph
+    if search == "vesin":
+        pairs = _vesin_pairs(structures, rcut, min_distance)
+        if pairs is not None:
+            graph = graph_from_pairs(structures, pairs)
+            moved = transfer_packed(
+                [*_structure_tensors(structures), *_graph_tensors(graph)], device
+            )
+            placed = Structures(*moved[:_N_STRUCTURE_TENSORS])
+            return placed, _graph_with_tensors(graph, moved[_N_STRUCTURE_TENSORS:])
+    placed = Structures(*transfer_packed(_structure_tensors(structures), device))
+    return placed, _cell_list_graph(placed, rcut, min_distance, candidate_budget)
+
+
+def resolve_backend(
+    device: torch.device, backend: Backend, windows: ImageWindows | None = None
+) -> Search:
+    """The search a batch on ``device`` gets. ``auto``: vesin (when importable) on the CPU; on
+    CUDA the direct search when its ``windows`` (:func:`~service.graph.pair_search.image_windows`)
+    count at most :data:`DIRECT_MAX_CANDIDATES` candidates and Triton is available, else torch."""
+    if backend == "auto":
+        if device.type == "cpu":
+            return "vesin" if _has_vesin() else "torch"
+        small = windows is not None and windows.n_candidates <= DIRECT_MAX_CANDIDATES
+        return "direct" if small and _triton_runs_on(device) else "torch"
+    for search in SEARCHES:
+        if backend == search:
+            return search
+    raise ValueError(f"unknown neighbour-list backend {backend!r}")
+
+
+def _check_cutoff(rcut: float) -> None:
+    if not rcut > 0.0:
+        raise ValueError(f"rcut must be positive, got {rcut}")
+
+
+def _may_search_directly(device: torch.device, backend: Backend) -> bool:
+    """Whether the direct search's table is needed (to run it, or to decide on it)."""
+    return backend == "direct" or (backend == "auto" and device.type == "cuda")
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    # Imported here: so2kernels' package import registers every kernel of the project.
+    from so2kernels._dispatch import INTERPRET, triton_available
+
+    if device.type == "cuda":
+        return triton_available()
+    return device.type == "cpu" and INTERPRET
+
+
+def _image_windows(
+    cells: Tensor, pbc: Tensor, ptr: Tensor, rcut: float, min_distance: float
+) -> ImageWindows:
+    # Imported here: defining the Triton kernel must wait until TRITON_INTERPRET is settled.
+    from service.graph.pair_search import image_windows
+
+    return image_windows(cells, pbc, ptr, rcut, min_distance)
+
+
+def _direct_graph(
+    structures: Structures,
+    table: Tensor,
+    windows: ImageWindows,
+    rcut: float,
+    min_distance: float,
+    candidate_budget: int,
+) -> Graph:
+    """The direct search's graph; on a close pair, the torch cell list raises the error (the
+    same code and message as that backend)."""
+    from service.graph.pair_search import direct_pairs
+
+    if not _triton_runs_on(structures.device):
+        raise ValueError(
+            "the direct neighbour search runs Triton: CUDA tensors, or CPU tensors under "
+            f"TRITON_INTERPRET=1 (got {structures.device})"
+        )
+    found = direct_pairs(
+        structures.positions, structures.cells, structures.ptr, structures.atom_batch, table,
+        single_image=windows.single_image,
+    )  # fmt: skip
+    if found is None:
+        _cell_list_graph(structures, rcut, min_distance, candidate_budget)
+        raise RuntimeError(
+            "the direct search found a pair closer than min_distance that the cell list did "
+            "not (a distance within rounding of min_distance)"
+        )
+    return Graph(
+        src=found.src,
+        dst=found.dst,
+        shifts=found.shifts,
+        edge_batch=found.edge_batch,
+        atom_batch=structures.atom_batch,
+        dst_rowptr=found.dst_rowptr,
+        src_order=stable_argsort(found.src),
+        src_rowptr=found.src_rowptr,
+        edge_ptr=found.dst_rowptr.index_select(0, structures.ptr),
+        n_atoms=structures.n_atoms,
+        n_structures=structures.n_structures,
+    )
+
+
+def _cell_list_graph(
+    structures: Structures, rcut: float, min_distance: float, candidate_budget: int
+) -> Graph:
     pairs = find_pairs(
         structures.positions,
         structures.cells,
@@ -131,23 +300,76 @@ def build_graph(
     return graph_from_pairs(structures, pairs)
 
 
-def resolve_backend(structures: Structures, backend: Backend) -> Literal["torch", "vesin"]:
-    """The search a batch gets: ``auto`` → vesin on the host for CPU batches and for CUDA
-    batches of at most :data:`VESIN_MAX_ATOMS` atoms (when vesin is importable), else torch."""
-    if backend == "auto":
-        small = structures.device.type == "cpu" or structures.n_atoms <= VESIN_MAX_ATOMS
-        return "vesin" if small and _has_vesin() else "torch"
-    if backend not in ("torch", "vesin"):
-        raise ValueError(f"unknown neighbour-list backend {backend!r}")
-    return backend
-
-
 def _has_vesin() -> bool:
     try:
         import vesin  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+# One-copy transfers
+
+
+_TRANSFER_ALIGNMENT = 16
+
+
+def transfer_packed(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
+    """Host tensors (detached) on ``device`` after one non-blocking copy: their bytes are packed
+    into one buffer and the device buffer is sliced and re-viewed. Pieces start 16-byte aligned,
+    so every dtype views back in place and Triton still sees aligned pointers. Each small
+    pageable copy costs ~10 µs of driver time whatever its size, and a blocking one waits for the
+    device; a pageable source is staged by the driver before the call returns, so it may be
+    freed at once."""
+    pieces: list[Tensor] = []
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for t in tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pieces.append(raw)
+        pad = -raw.numel() % _TRANSFER_ALIGNMENT
+        if pad:
+            pieces.append(raw.new_zeros(pad))
+        spans.append((offset, raw.numel()))
+        offset += raw.numel() + pad
+    buffer = torch.cat(pieces).to(device, non_blocking=True)
+    return [
+        buffer[start : start + size].view(t.dtype).view(t.shape)
+        for t, (start, size) in zip(tensors, spans, strict=True)
+    ]
+
+
+_N_STRUCTURE_TENSORS = len(fields(Structures))
+
+
+def _structure_tensors(structures: Structures) -> list[Tensor]:
+    """The tensors of :class:`Structures` in constructor order."""
+    return [getattr(structures, f.name) for f in fields(Structures)]
+
+
+def _graph_tensors(graph: Graph) -> list[Tensor]:
+    """The tensors of a graph, in the order :func:`_graph_with_tensors` reads them back."""
+    return [
+        graph.src, graph.dst, graph.shifts, graph.edge_batch, graph.atom_batch,
+        graph.dst_rowptr, graph.src_order, graph.src_rowptr, graph.edge_ptr,
+    ]  # fmt: skip
+
+
+def _graph_with_tensors(graph: Graph, tensors: Sequence[Tensor]) -> Graph:
+    src, dst, shifts, edge_batch, atom_batch, dst_rowptr, src_order, src_rowptr, edge_ptr = tensors
+    return Graph(
+        src=src,
+        dst=dst,
+        shifts=shifts,
+        edge_batch=edge_batch,
+        atom_batch=atom_batch,
+        dst_rowptr=dst_rowptr,
+        src_order=src_order,
+        src_rowptr=src_rowptr,
+        edge_ptr=edge_ptr,
+        n_atoms=graph.n_atoms,
+        n_structures=graph.n_structures,
+    )
 
 
 _VESIN_MAX_SPAN = 1000.0

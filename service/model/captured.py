@@ -5,8 +5,8 @@ by the host (Python, dispatcher, launches), not by the GPU. Below :data:`CAPTURE
 :class:`CapturedSteps` therefore records the whole device part of one step once per *shape
 bucket* — edge vectors → edge cache → model → energies → ``autograd.grad`` → force/virial
 assembly — and replays it, so a step costs one graph launch plus the neighbour list (built on
-the host for the smallest batches, on the device above ``VESIN_MAX_ATOMS``; padding happens
-wherever the graph is, with shape-only arithmetic).
+the device; padding happens wherever the graph is, with shape-only arithmetic and no host
+read).
 
 Shape buckets. A graph has fixed shapes, so each batch is padded up to ``(N_pad, E_pad, B_pad)``
 (eight sizes per octave: at most 12.5 % padding). Padding is physically inert by construction,
@@ -197,10 +197,9 @@ class CapturedSteps:
         return len(self._graphs)
 
     def run(self, inputs: StepInputs) -> StepOutputs | None:
-        """The step's outputs for ``inputs`` (unpadded; best on the host, where the neighbour
-        list of a small batch is built: padding then costs no launches), replayed from the
-        bucket's graph; ``None`` while the bucket is not yet worth recording (the caller then
-        evaluates eagerly)."""
+        """The step's outputs for ``inputs`` (unpadded, on the device or the host), replayed
+        from the bucket's graph; ``None`` while the bucket is not yet worth recording (the
+        caller then evaluates eagerly)."""
         g = inputs.graph
         key = _weights_key(self._model)
         if key != self._weights:

@@ -6,10 +6,12 @@
     → E per structure (float64) → one autograd.grad(E, edge_vec) → forces, virial (CSR sums)
     → stress = −sym(W)/V
 
-Small batches on CUDA (below ``CAPTURE_MAX_ATOMS``) build their neighbour list (on the host up
-to ``VESIN_MAX_ATOMS``) and replay a CUDA graph of everything after it
-(:mod:`service.model.captured`): one launch instead of ~1,400. ``capture=False`` turns that off
-(training always runs eagerly).
+A host batch goes to the device in one packed copy and its neighbour list is built there
+(:func:`~service.graph.neighbors.place_and_build_graph`: the direct Triton search for small and
+medium batches, one host read for the edge count). Small batches on CUDA (below
+``CAPTURE_MAX_ATOMS``) then replay a CUDA graph of everything after it
+(:mod:`service.model.captured`, padded on the device): one launch instead of ~1,400.
+``capture=False`` turns that off (training always runs eagerly).
 
 Each phase runs under a ``so2serve::<phase>`` profiler range (graph, edge_cache, model, backward,
 assembly; free when no profiler is active), so benchmarks/model.py --profile can split a step.
@@ -37,7 +39,7 @@ from torch.profiler import record_function
 from service.graph.assembly import assemble_forces_virial, stress_from_virial
 from service.graph.edge_cache import build_edge_cache
 from service.graph.errors import InvalidStructureError
-from service.graph.neighbors import VESIN_MAX_ATOMS, build_graph, edge_vectors
+from service.graph.neighbors import edge_vectors, place_and_build_graph
 from service.graph.structures import Structures
 from service.model.captured import CapturedSteps, StepInputs, StepOutputs
 from service.model.config import ModelConfig
@@ -234,6 +236,7 @@ class Potential:
             name="in-memory", sha256="", elements=cfg.type_map, rcut=cfg.rcut, config=cfg
         )
         self._types_of_number = _type_lookup(cfg.type_map)
+        self._device_types_of_number = self._types_of_number.to(self.device)
         if capture is None:
             capture = self.device.type == "cuda"
         if capture and self.device.type != "cuda":
@@ -285,17 +288,14 @@ class Potential:
                 f"{self.execution.precision!r}: the stack's double backward has no fast tier"
             )
         cfg = self.config
-        types = self.atom_types(structures)
+        self.atom_types(structures)  # unknown elements fail here, where the numbers live
         want_grad = bool({"forces", "virial", "stress"} & set(properties))
         captured = self._captured if want_grad and not create_graph else None
         if captured is not None and not captured.accepts(structures.n_atoms, 0):
             captured = None
-        # Replayed batches small enough for the host neighbour list stay on the host until their
-        # padded inputs are copied into the graph's buffers; everything else goes to the device.
-        on_host = captured is not None and structures.n_atoms <= VESIN_MAX_ATOMS
-        structures = structures.to("cpu" if on_host else self.device)
         with record_function("so2serve::graph"):
-            graph = build_graph(structures, cfg.rcut)
+            structures, graph = place_and_build_graph(structures, cfg.rcut, self.device)
+        types = self._device_types_of_number[structures.numbers]
         inputs = StepInputs(graph, structures.positions, structures.cells, types)
         edge_chunk = edge_chunk_for(
             self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph

@@ -13,7 +13,7 @@ from service.graph.neighbors import Graph, build_graph, edge_vectors
 from service.graph.structures import StructureArrays, Structures
 from tests.graph.helpers import brute_force_pairs, random_cell, random_structure
 
-BACKENDS = ["torch", "vesin"]
+BACKENDS = ["torch", "vesin", "direct"]
 
 
 def _edge_set(graph: Graph, lo: int = 0, hi: int | None = None) -> set[tuple[int, ...]]:
@@ -150,18 +150,23 @@ def test_coincident_atoms_found_by_graph() -> None:
 
 
 def test_auto_backend_choice_by_device_and_size() -> None:
-    """``auto``: vesin on the host for CPU batches and small CUDA batches, torch for big CUDA
-    batches; explicit choices are kept, unknown names refused."""
-    from types import SimpleNamespace
+    """``auto``: vesin on the host for CPU batches; on CUDA the direct search up to
+    DIRECT_MAX_CANDIDATES candidates (torch beyond, or without the table); explicit choices are
+    kept, unknown names refused."""
+    from service.graph.neighbors import DIRECT_MAX_CANDIDATES, resolve_backend
+    from service.graph.pair_search import ImageWindows
 
-    from service.graph.neighbors import VESIN_MAX_ATOMS, resolve_backend
+    def windows(n_candidates: int) -> ImageWindows:
+        return ImageWindows(np.zeros((1, 17)), n_candidates, single_image=True)
 
-    def batch(device: str, n_atoms: int) -> Structures:
-        return SimpleNamespace(device=torch.device(device), n_atoms=n_atoms)  # type: ignore[return-value]
-
-    assert resolve_backend(batch("cpu", 10**6), "auto") == "vesin"
-    assert resolve_backend(batch("cuda", VESIN_MAX_ATOMS), "auto") == "vesin"
-    assert resolve_backend(batch("cuda", VESIN_MAX_ATOMS + 1), "auto") == "torch"
-    assert resolve_backend(batch("cuda", 10), "torch") == "torch"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend(cpu, "auto", windows(1)) == "vesin"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("so2kernels._dispatch.triton_available", lambda: True)
+        assert resolve_backend(cuda, "auto", windows(DIRECT_MAX_CANDIDATES)) == "direct"
+        assert resolve_backend(cuda, "auto", windows(DIRECT_MAX_CANDIDATES + 1)) == "torch"
+        assert resolve_backend(cuda, "auto") == "torch"
+    for name in ("torch", "vesin", "direct"):
+        assert resolve_backend(cuda, name) == name
     with pytest.raises(ValueError, match="backend"):
-        resolve_backend(batch("cpu", 10), "cuda")  # type: ignore[arg-type]
+        resolve_backend(cpu, "cuda")  # type: ignore[arg-type]

@@ -1,0 +1,360 @@
+"""Direct (all-pairs) neighbour search on the structures' device: two Triton passes, one sync.
+
+Contract (the same as :mod:`service.graph.cell_list`): for every structure ``b`` of a flat batch
+(atoms ``ptr[b]:ptr[b+1]``) every ordered pair ``(dst=i, src=j, shift=S)`` with
+``r = x_j + S·cell_b − x_i`` and ``0 < |r| ≤ cutoff``, over all periodic images, in canonical
+order (``dst``, then ``src``, then ``S`` lexicographically). Pairs closer than ``min_distance``
+raise :class:`InvalidStructureError` (``'coincident_atoms'``).
+
+Image windows. With ``d_a`` the dual vector of periodic axis ``a`` (column ``a`` of the inverse
+of :func:`~service.graph.cell_list.binning_frames`; ``1/|d_a|`` is the lattice height ``h_a``) and
+``s = x·d`` the fractional coordinates of the positions *as given* (never wrapped), a pair within
+the cutoff has ``|s_j − s_i + S_a| = |r·d_a| ≤ cutoff/h_a``. So its shift lies in
+``[ceil(−c_a − Δs_a), floor(c_a − Δs_a)]`` with ``c_a = cutoff·WINDOW_MARGIN/h_a``: at most
+``K_a = floor(2·c_a) + 1`` integers, one whenever the cutoff is below half the height. Open axes
+have ``c_a = 0`` and ``d_a = 0``, hence ``S_a = 0``. A destination atom visits
+``n_b·K_0·K_1·K_2`` candidates: source-major, then the ``K`` window slots lexicographically.
+Since the window's first shift depends only on ``(i, j)``, that walk *is* canonical order, so
+no sort is needed for the destination side.
+
+Passes (one program per destination atom, candidates ``BLOCK`` at a time):
+
+1. count the accepted candidates of each destination and flag any closer than ``min_distance``
+   (an atom paired with itself at ``S = 0`` excluded); a cumulative sum of the counts is the
+   destination CSR, and one host read fetches the edge count and the flag together;
+2. walk the same candidates in the same order and write ``src``, ``dst``, ``S`` and the edge's
+   structure at ``dst_rowptr[i]`` plus a running count, counting sources for the source CSR.
+
+``r`` is evaluated like :func:`~service.graph.neighbors.edge_vectors`: ``S·cell`` as the
+row-times-matrix sum ``(S_0·c_0 + S_1·c_1) + S_2·c_2``, then ``(x_j + S·cell) − x_i``, and
+``|r|² = (r_0² + r_1²) + r_2²``, with floating-point contraction off, so a pair on the cutoff is
+decided as the torch backend decides it (up to how its BLAS orders a 3-term dot product).
+
+Per-structure parameters are computed on the host (cells are tiny) and travel in one float64
+table, ``(B, TABLE_WIDTH)``: ``d`` (9, ``d_a`` at columns ``3a..3a+2``), ``c`` (3), ``K`` (3),
+``cutoff²``, ``min_distance²``.
+"""
+
+# Triton kernels take untyped pointer/constexpr arguments and @triton.jit is an untyped decorator.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from numpy.typing import NDArray
+from torch import Tensor
+
+from service.graph.cell_list import WINDOW_MARGIN, binning_frames
+from service.graph.errors import InvalidStructureError
+
+TABLE_WIDTH = 17
+_DUAL, _REACH, _IMAGES, _CUTOFF2, _MIN2 = 0, 9, 12, 15, 16
+
+MAX_IMAGES_PER_STRUCTURE = 2**21
+"""Image windows larger than this (a cell far thinner than the cutoff, which validation would
+have refused) are rejected as singular, as the cell list rejects such windows."""
+
+MAX_CANDIDATES_PER_ATOM = 2**31 - 1
+"""The per-destination candidate index is 32-bit; a structure whose atoms each visit more
+candidates than this is far past any size the direct search is meant for."""
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape: ``rows`` destination atoms per program, ``block`` candidates per step."""
+
+    rows: int
+    block: int
+
+
+GPU_TILES = Tiles(rows=1, block=256)
+"""One destination per program (192 atoms already give 192 programs; no structure straddles a
+program) and 2 candidates per thread at 4 warps, so a candidate's float64 working set stays in
+registers."""
+
+INTERPRETER_TILES = Tiles(rows=64, block=1024)
+"""The interpreter pays per operation, not per element: wide tiles, few programs."""
+
+
+@dataclass(frozen=True)
+class ImageWindows:
+    """Per-structure search parameters of a batch, built on the host.
+
+    Attributes:
+        table: (B, TABLE_WIDTH) float64 (layout in the module docstring), on the host.
+        n_candidates: Σ_b n_b²·K_b, the work of one pass.
+        single_image: every structure has ``K = 1`` (no window decoding in the kernel).
+    """
+
+    table: NDArray[np.float64]
+    n_candidates: int
+    single_image: bool
+
+
+def image_windows(
+    cells: Tensor, pbc: Tensor, ptr: Tensor, cutoff: float, min_distance: float
+) -> ImageWindows:
+    """The search table of a batch from host tensors ``cells`` (B, 3, 3), ``pbc`` (B, 3) and
+    ``ptr`` (B+1,); raises ``'singular_cell'`` when a window would be absurdly large."""
+    pbc_np = pbc.numpy()
+    inverse = _inverse_frames(cells.detach().to(torch.float64), pbc)
+    dual = np.where(pbc_np[:, None, :], inverse, 0.0)  # (B, k, a): column a is d_a
+    reach = np.where(pbc_np, cutoff * WINDOW_MARGIN * np.linalg.norm(inverse, axis=1), 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        images = np.floor(2.0 * reach) + 1.0
+    window = images.prod(axis=1)
+    bad = ~np.isfinite(window) | (window > MAX_IMAGES_PER_STRUCTURE)
+    if bad.any():
+        b = int(np.flatnonzero(bad)[0])
+        raise InvalidStructureError(
+            "singular_cell",
+            f"structure {b}: the cell is so thin that {window[b]:.3g} periodic images lie "
+            "within the cutoff",
+            field=f"structures[{b}].cell",
+            index=b,
+        )
+    sizes = np.diff(ptr.numpy())
+    per_atom = sizes * window
+    if per_atom.max(initial=0) > MAX_CANDIDATES_PER_ATOM:
+        raise ValueError(
+            f"direct pair search: {int(per_atom.max())} candidates per atom exceed 2^31; "
+            "use the cell list (backend='torch')"
+        )
+    table = np.empty((pbc_np.shape[0], TABLE_WIDTH), dtype=np.float64)
+    table[:, _DUAL:_REACH] = dual.transpose(0, 2, 1).reshape(-1, 9)
+    table[:, _REACH:_IMAGES] = reach
+    table[:, _IMAGES:_CUTOFF2] = images
+    table[:, _CUTOFF2] = cutoff * cutoff
+    table[:, _MIN2] = min_distance * min_distance
+    return ImageWindows(
+        table=table,
+        n_candidates=int((sizes * per_atom).sum()),
+        single_image=bool((window == 1.0).all()),
+    )
+
+
+def _inverse_frames(cells: Tensor, pbc: Tensor) -> NDArray[np.float64]:
+    """(B, 3, 3) inverses of the search frames (lattice rows on periodic axes, an orthonormal
+    complement on open ones); fully periodic batches, the common case, skip the complement."""
+    frames = cells.numpy() if bool(pbc.all()) else binning_frames(cells, pbc).numpy()
+    try:
+        return np.linalg.inv(frames)
+    except np.linalg.LinAlgError:
+        b = int(np.flatnonzero(np.linalg.det(frames) == 0.0)[0])
+        raise InvalidStructureError(
+            "singular_cell",
+            f"structure {b}: the lattice vectors of the periodic axes are linearly dependent",
+            field=f"structures[{b}].cell",
+            index=b,
+        ) from None
+
+
+# Triton kernel. Row i of a program's tile walks destination i's candidates c = 0 .. n_b·K − 1
+# (source lo + c // K, window slot c % K split into three axes) BLOCK at a time; rows of other
+# structures simply have other lo, K, frames. The 3-vectors are spelled out: the interpreter
+# pays per operation (and per helper call), a GPU does not care.
+
+
+@triton.jit
+def _direct_pairs_kernel(
+    positions,  # (N, 3) contiguous, float64 or float32
+    cells,  # (B, 3, 3) contiguous, positions' dtype
+    table,  # (B, TABLE_ROW) float64, see the module docstring
+    ptr,  # (B+1,) int64 atom offsets
+    atom_batch,  # (N,) int64
+    rowptr,  # (N+2,) int64: pass 1 stores counts at i+1 and raises slot N+1 on a close pair;
+    # pass 2 reads rowptr[i] (after the cumulative sum) as the first edge of i
+    src_out,  # (E,) int64, pass 2
+    dst_out,  # (E,) int64, pass 2
+    shift_out,  # (E, 3) int64, pass 2
+    batch_out,  # (E,) int64, pass 2
+    src_rowptr,  # (N+1,) int64, pass 2 adds one at j+1 per edge with source j
+    n_atoms,
+    TABLE_ROW: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WRITE: tl.constexpr,
+    SINGLE_IMAGE: tl.constexpr,
+):
+    atom = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = atom < n_atoms
+    atom = tl.where(row_ok, atom, 0)
+    b = tl.load(atom_batch + atom)
+    lo = tl.load(ptr + b)
+    hi = tl.load(ptr + b + 1)
+    row = table + b * TABLE_ROW
+    cell = cells + b * 9
+    # Per row (ROWS, 1): dual vectors d_a (float64), lattice rows (positions' dtype), reach.
+    d00, d01, d02 = tl.load(row)[:, None], tl.load(row + 1)[:, None], tl.load(row + 2)[:, None]
+    d10, d11, d12 = tl.load(row + 3)[:, None], tl.load(row + 4)[:, None], tl.load(row + 5)[:, None]
+    d20, d21, d22 = tl.load(row + 6)[:, None], tl.load(row + 7)[:, None], tl.load(row + 8)[:, None]
+    c00, c01, c02 = tl.load(cell)[:, None], tl.load(cell + 1)[:, None], tl.load(cell + 2)[:, None]
+    c10, c11, c12 = (
+        tl.load(cell + 3)[:, None],
+        tl.load(cell + 4)[:, None],
+        tl.load(cell + 5)[:, None],
+    )
+    c20, c21, c22 = (
+        tl.load(cell + 6)[:, None],
+        tl.load(cell + 7)[:, None],
+        tl.load(cell + 8)[:, None],
+    )
+    reach0, reach1, reach2 = (
+        tl.load(row + 9)[:, None],
+        tl.load(row + 10)[:, None],
+        tl.load(row + 11)[:, None],
+    )
+    k1 = tl.load(row + 13).to(tl.int32)[:, None]
+    k2 = tl.load(row + 14).to(tl.int32)[:, None]
+    n_images = tl.load(row + 12).to(tl.int32)[:, None] * k1 * k2
+    xi0 = tl.load(positions + 3 * atom)[:, None]
+    xi1 = tl.load(positions + 3 * atom + 1)[:, None]
+    xi2 = tl.load(positions + 3 * atom + 2)[:, None]
+    cutoff2 = tl.load(row + 15).to(xi0.dtype)[:, None]
+    min2 = tl.load(row + 16).to(xi0.dtype)[:, None]
+    wi0, wi1, wi2 = xi0.to(tl.float64), xi1.to(tl.float64), xi2.to(tl.float64)
+    si0 = (wi0 * d00 + wi1 * d01) + wi2 * d02
+    si1 = (wi0 * d10 + wi1 * d11) + wi2 * d12
+    si2 = (wi0 * d20 + wi1 * d21) + wi2 * d22
+    n_candidates = tl.where(row_ok, (hi - lo).to(tl.int32), 0)[:, None] * n_images
+    i = atom[:, None]
+    b = b[:, None]
+    lo = lo[:, None]
+    accepted = tl.zeros((ROWS,), dtype=tl.int64)
+    close = tl.zeros((ROWS,), dtype=tl.int64)
+    first_edge = tl.zeros((ROWS,), dtype=tl.int64)
+    if WRITE:
+        first_edge = tl.load(rowptr + atom)
+    for start in range(0, tl.max(n_candidates), BLOCK):
+        c = start + tl.arange(0, BLOCK)[None, :]
+        live = c < n_candidates
+        if SINGLE_IMAGE:
+            j = lo + c.to(tl.int64)
+            t0 = tl.zeros((ROWS, BLOCK), dtype=tl.int64)
+            t1 = t0
+            t2 = t0
+        else:
+            j = lo + (c // n_images).to(tl.int64)
+            slot = c % n_images
+            t0 = (slot // (k1 * k2)).to(tl.int64)
+            t1 = ((slot // k2) % k1).to(tl.int64)
+            t2 = (slot % k2).to(tl.int64)
+        xj0 = tl.load(positions + 3 * j, mask=live, other=0.0)
+        xj1 = tl.load(positions + 3 * j + 1, mask=live, other=0.0)
+        xj2 = tl.load(positions + 3 * j + 2, mask=live, other=0.0)
+        wj0, wj1, wj2 = xj0.to(tl.float64), xj1.to(tl.float64), xj2.to(tl.float64)
+        # Window of each axis: [ceil(-c_a - ds_a), floor(c_a - ds_a)].
+        ds0 = ((wj0 * d00 + wj1 * d01) + wj2 * d02) - si0
+        ds1 = ((wj0 * d10 + wj1 * d11) + wj2 * d12) - si1
+        ds2 = ((wj0 * d20 + wj1 * d21) + wj2 * d22) - si2
+        s0 = tl.ceil(-reach0 - ds0).to(tl.int64) + t0
+        s1 = tl.ceil(-reach1 - ds1).to(tl.int64) + t1
+        s2 = tl.ceil(-reach2 - ds2).to(tl.int64) + t2
+        in_window = (
+            (s0 <= tl.floor(reach0 - ds0).to(tl.int64))
+            & (s1 <= tl.floor(reach1 - ds1).to(tl.int64))
+            & (s2 <= tl.floor(reach2 - ds2).to(tl.int64))
+        )
+        # r = (x_j + S·cell) − x_i with S·cell summed in row order, as edge_vectors does.
+        f0, f1, f2 = s0.to(xi0.dtype), s1.to(xi0.dtype), s2.to(xi0.dtype)
+        r0 = (xj0 + ((f0 * c00 + f1 * c10) + f2 * c20)) - xi0
+        r1 = (xj1 + ((f0 * c01 + f1 * c11) + f2 * c21)) - xi1
+        r2 = (xj2 + ((f0 * c02 + f1 * c12) + f2 * c22)) - xi2
+        dist2 = (r0 * r0 + r1 * r1) + r2 * r2
+        itself = (j == i) & (s0 == 0) & (s1 == 0) & (s2 == 0)
+        candidate = live & in_window & ~itself
+        keep = candidate & (dist2 <= cutoff2)
+        keep_count = keep.to(tl.int32)
+        if WRITE:
+            rank = (tl.cumsum(keep_count, 1) - 1).to(tl.int64)
+            edge = (first_edge + accepted)[:, None] + rank
+            tl.store(src_out + edge, j, mask=keep)
+            tl.store(dst_out + edge, tl.broadcast_to(i, (ROWS, BLOCK)), mask=keep)
+            tl.store(batch_out + edge, tl.broadcast_to(b, (ROWS, BLOCK)), mask=keep)
+            tl.store(shift_out + 3 * edge, s0, mask=keep)
+            tl.store(shift_out + 3 * edge + 1, s1, mask=keep)
+            tl.store(shift_out + 3 * edge + 2, s2, mask=keep)
+            tl.atomic_add(src_rowptr + j + 1, tl.full((ROWS, BLOCK), 1, tl.int64), mask=keep)
+        else:
+            near = (candidate & (dist2 < min2)).to(tl.int64)
+            close = tl.maximum(close, tl.max(near, 1))
+        accepted += tl.sum(keep_count, 1).to(tl.int64)
+    if not WRITE:
+        tl.store(rowptr + atom + 1, accepted, mask=row_ok)
+        tl.atomic_max(rowptr + n_atoms + 1, tl.max(close, 0))
+
+
+# Launcher
+
+
+@dataclass(frozen=True)
+class DirectPairs:
+    """Canonically ordered edges of a batch with both CSR offsets (all int64, on the device).
+
+    ``dst``, ``src``, ``edge_batch`` (E,), ``shifts`` (E, 3), ``dst_rowptr`` and ``src_rowptr``
+    (N+1,); ``src_rowptr`` counts edges per source (its order is left to the caller).
+    """
+
+    dst: Tensor
+    src: Tensor
+    shifts: Tensor
+    edge_batch: Tensor
+    dst_rowptr: Tensor
+    src_rowptr: Tensor
+
+
+def direct_pairs(
+    positions: Tensor, cells: Tensor, ptr: Tensor, atom_batch: Tensor, table: Tensor,
+    *, single_image: bool, tiles: Tiles | None = None,
+) -> DirectPairs | None:  # fmt: skip
+    """All pairs of a batch by the two-pass direct search; ``None`` when some pair is closer
+    than the table's ``min_distance`` (the caller produces the error).
+
+    Args:
+        positions: (N, 3) float64 or float32, Å, on the device that runs Triton (CUDA, or the
+            CPU under ``TRITON_INTERPRET=1``).
+        cells: (B, 3, 3) lattice rows, positions' dtype.
+        ptr: (B+1,) int64 atom offsets; atom_batch: (N,) int64 structure of every atom.
+        table: (B, TABLE_WIDTH) float64 from :func:`image_windows`, on the same device.
+        single_image: :attr:`ImageWindows.single_image` (compiles the window decoding out).
+        tiles: launch shape; :data:`GPU_TILES` on CUDA, :data:`INTERPRETER_TILES` on the CPU.
+
+    Synchronises once (edge count and coincidence flag in one read).
+    """
+    n_atoms = positions.shape[0]
+    device = positions.device
+    positions = positions.contiguous()
+    cells = cells.to(positions.dtype).contiguous()
+    rowptr = torch.zeros(n_atoms + 2, dtype=torch.int64, device=device)
+    src_rowptr = torch.zeros(n_atoms + 1, dtype=torch.int64, device=device)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    args = (positions, cells, table, ptr, atom_batch, rowptr)
+    if tiles is None:
+        tiles = GPU_TILES if device.type == "cuda" else INTERPRETER_TILES
+
+    def launch(outputs: tuple[Tensor, ...], write: bool) -> None:
+        _direct_pairs_kernel[(triton.cdiv(n_atoms, tiles.rows),)](
+            *args, *outputs, src_rowptr, n_atoms, TABLE_ROW=TABLE_WIDTH, ROWS=tiles.rows,
+            BLOCK=tiles.block, WRITE=write, SINGLE_IMAGE=single_image, num_warps=4,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+
+    if n_atoms > 0:
+        launch((empty, empty, empty.view(0, 3), empty), write=False)
+    dst_rowptr = rowptr[: n_atoms + 1]
+    dst_rowptr[1:].cumsum_(0)
+    n_edges, close = rowptr[n_atoms:].tolist()
+    if close:
+        return None
+    src = torch.empty(n_edges, dtype=torch.int64, device=device)
+    dst = torch.empty_like(src)
+    shifts = torch.empty(n_edges, 3, dtype=torch.int64, device=device)
+    edge_batch = torch.empty_like(src)
+    if n_edges > 0:
+        launch((src, dst, shifts, edge_batch), write=True)
+    src_rowptr[1:].cumsum_(0)
+    return DirectPairs(dst, src, shifts, edge_batch, dst_rowptr, src_rowptr)
