@@ -1,7 +1,18 @@
 """Service benchmark (GPU; the lead runs it): HTTP overhead and throughput vs in-process.
 
-    python benchmarks/service.py [--model FILE] [--device cuda] [--quick]
+    python benchmarks/service.py [--model FILE] [--device cuda] [--quick] [--profile-server]
+                                 [--phases in_process engine profile http throughput]
     python benchmarks/service.py --device cpu --fake-model [--sizes 192 768] [--repeats 200]
+
+The results file is rewritten after every phase (with ``phase_seconds``), so a run cut short
+keeps the phases it finished; ``--phases`` runs a subset (the ratios need ``in_process``).
+``--profile-server`` adds the ``profile`` phase: ``PROFILE_PASSES`` passes of sequential
+192-atom requests recorded by ``service.engine.profiling.PassProfiler`` behind the engine in
+this process (``engine_in_process.profile``) and in the server (``server_profile``, via
+``SO2SERVE_PROFILE_*``), side by side: wall, worker CPU vs blocked, event-loop and other
+threads' CPU, garbage collections, top worker ops, CUDA kernel time, interpreter and thread
+settings. ``--server-env NAME=VALUE`` sets environment variables of the server alone (thread
+counts, ``SO2SERVE_*`` settings) to test a suspect.
 
 1. Per-request overhead: one periodic water box of 192, 1,536 and 12,288 atoms, energy +
    forces + stress, through the ASE calculators: ``SO2LocalCalculator`` (in process) against
@@ -89,6 +100,7 @@ from clients.http import (  # noqa: E402
 )
 from clients.local import SO2LocalCalculator  # noqa: E402
 from service.engine import Evaluator  # noqa: E402
+from service.engine.profiling import PassProfiler, ProfileRequest  # noqa: E402
 from service.graph.structures import Structures  # noqa: E402
 from service.model.potential import Potential, default_model_path, load_potential  # noqa: E402
 from tests.service.fakes import FakeExecution, FakePrediction  # noqa: E402
@@ -200,7 +212,7 @@ def in_process_phase(
     return rows
 
 
-def make_engine(evaluator: Evaluator, metrics: Any) -> Any:
+def make_engine(evaluator: Evaluator, metrics: Any, profiler: Any = None) -> Any:
     """An engine around ``evaluator`` with the server's default limits."""
     from ase.data import atomic_numbers
 
@@ -215,6 +227,7 @@ def make_engine(evaluator: Evaluator, metrics: Any) -> Any:
         metrics,
         rcut=float(info["rcut"]),
         elements=[atomic_numbers[e] for e in info["elements"]],
+        profiler=profiler,
     )
 
 
@@ -262,21 +275,32 @@ async def _engine_clients(engine: Any, clients: int, duration: float) -> tuple[i
 
 
 def engine_phase(
-    evaluator: Evaluator, sizes: list[int], repeats: int, client_counts: list[int], duration: float
+    evaluator: Evaluator,
+    sizes: list[int],
+    repeats: int,
+    client_counts: list[int],
+    duration: float,
+    profile: ProfileRequest | None = None,
 ) -> dict[str, Any]:
     """The evaluator behind an ``Engine`` in this process, with the interpreter tuned as the
     server tunes it: per-size request phases, and the throughput of concurrent in-process
-    clients with the engine's batching (no HTTP)."""
+    clients with the engine's batching (no HTTP). With ``profile``, first the profiled passes
+    of sequential 192-atom requests (``profile_requests``), as the server records them."""
     from service.api.app import tuned_interpreter
     from service.api.settings import ServiceSettings
     from service.engine import ServiceMetrics
 
     async def run() -> dict[str, Any]:
         metrics = ServiceMetrics()
-        engine = make_engine(evaluator, metrics)
+        profiler = None if profile is None else PassProfiler(profile)
+        engine = make_engine(evaluator, metrics, profiler)
         await engine.start()
         rows: dict[str, Any] = {"requests_ms": {}, "throughput_192": {}}
         try:
+            if profiler is not None:
+                atoms = water_atoms(192)
+                await _engine_requests(engine, atoms, profile_requests(profiler.request))
+                rows["profile"] = profiler.summary()
             for n in sizes:
                 atoms = water_atoms(n)
                 reps = repeats_for(len(atoms), repeats)
@@ -306,12 +330,25 @@ def free_port() -> int:
 
 
 def start_server(
-    model: Path, device: str, port: int, window_ms: float | None, switch_ms: float | None
+    model: Path,
+    device: str,
+    port: int,
+    window_ms: float | None,
+    switch_ms: float | None,
+    profile: ProfileRequest | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     inherited = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), inherited]))}
+    env |= extra_env or {}
     if switch_ms is not None:  # a setting without a flag: its environment variable
         env["SO2SERVE_SWITCH_INTERVAL_MS"] = str(switch_ms)
+    if profile is not None:
+        env |= {
+            "SO2SERVE_PROFILE_PASSES": str(profile.passes),
+            "SO2SERVE_PROFILE_SKIP_PASSES": str(profile.skip),
+            "SO2SERVE_PROFILE_DIR": str(profile.out_dir),
+        }
     command = [
         sys.executable,
         "-m",
@@ -570,7 +607,11 @@ BENCHMARKS.md): ``SleepEvaluator`` parameters of a CPU stand-in for batching stu
 
 
 def _serve_fake(
-    port: int, host_share: float | None, window_ms: float | None, switch_ms: float | None
+    port: int,
+    host_share: float | None,
+    window_ms: float | None,
+    switch_ms: float | None,
+    profile: ProfileRequest | None,
 ) -> None:
     import uvicorn
 
@@ -580,6 +621,12 @@ def _serve_fake(
     given: dict[str, Any] = {} if window_ms is None else {"batch_window_ms": window_ms}
     if switch_ms is not None:
         given["switch_interval_ms"] = switch_ms
+    if profile is not None:
+        given |= {
+            "profile_passes": profile.passes,
+            "profile_skip_passes": profile.skip,
+            "profile_dir": profile.out_dir,
+        }
     settings = ServiceSettings(port=port, log_level="warning", **given)
     evaluator = NullEvaluator()
     if host_share is not None:
@@ -594,11 +641,12 @@ def start_fake_server(
     host_share: float | None = None,
     window_ms: float | None = None,
     switch_ms: float | None = None,
+    profile: ProfileRequest | None = None,
 ) -> multiprocessing.process.BaseProcess:
     """A server in its own process: the null model, or (``host_share`` given) the sleeping
     H200 stand-in with that share of each pass holding the GIL."""
     server = multiprocessing.get_context("spawn").Process(
-        target=_serve_fake, args=(port, host_share, window_ms, switch_ms)
+        target=_serve_fake, args=(port, host_share, window_ms, switch_ms, profile)
     )
     server.start()
     deadline = time.monotonic() + 60
@@ -673,6 +721,10 @@ def stage_breakdown(atoms: Atoms, binary: bool, repeats: int) -> dict[str, float
             lambda: encode_request([encode_structure(atoms, binary)], PROPERTIES, binary), repeats
         ),
         "server_parse_validate_ms": median_ms(lambda: parse_evaluate(body, fmt), repeats),
+        # What a server of the real model decodes (its neighbour list checks coincident atoms).
+        "server_parse_validate_model_ms": median_ms(
+            lambda: parse_evaluate(body, fmt, check_coincident=False), repeats
+        ),
         "server_encode_ms": median_ms(respond, repeats),
         "client_decode_ms": median_ms(
             lambda: result_arrays(decode_response(answer, fmt.value)["results"][0]), repeats
@@ -680,64 +732,193 @@ def stage_breakdown(atoms: Atoms, binary: bool, repeats: int) -> dict[str, float
     }
 
 
-def fake_model_main(args: argparse.Namespace) -> None:
+def fake_model_main(args: argparse.Namespace, phases: set[str]) -> None:
+    """The ``--fake-model`` run: phases ``engine`` (null model behind the engine in this
+    process), ``http`` (round trips, stages), ``throughput`` (batching study), ``profile``
+    (passes profiled in the server and behind the engine, as on the GPU)."""
     sizes = args.sizes if args.sizes != list(SIZES) else [192, 1536]
     evaluator = NullEvaluator()
-    engine = engine_phase(evaluator, sizes, args.repeats, [], 0.0)["requests_ms"]
-    port = free_port()
-    server = start_fake_server(port)
-    rows: dict[str, Any] = {}
-    url = f"http://127.0.0.1:{port}"
+    workdir = Path(tempfile.mkdtemp(prefix="so2bench-fake-"))
+    results = ResultsFile(
+        args.out,
+        {
+            "benchmark": "service-overhead-cpu-fake-model",
+            "date": datetime.now(UTC).isoformat(),
+            "command": " ".join(sys.argv),
+            "phases": [p for p in PHASES if p in phases],
+            "torch": torch.__version__,
+            "cpu_count": os.cpu_count(),
+        },
+    )
+    profile = "profile" in phases
+    if "engine" in phases or profile:
+        request = ProfileRequest(PROFILE_PASSES, PROFILE_SKIP, workdir / "profile", "engine")
+        engine = engine_phase(
+            evaluator,
+            sizes if "engine" in phases else [],
+            args.repeats,
+            [],
+            0.0,
+            request if profile else None,
+        )
+        results.put("engine_in_process", engine)
+    if phases & {"http", "profile"}:
+        server_request = ProfileRequest(PROFILE_PASSES, PROFILE_SKIP, workdir / "profile", "server")
+        port = free_port()
+        server = start_fake_server(port, profile=server_request if profile else None)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            if profile:
+                results.put("server_profile", server_profile_phase(url, server_request))
+            if "http" in phases:
+                results.put("results", fake_round_trips(url, evaluator, sizes, args.repeats))
+        finally:
+            server.terminate()
+            server.join(30)
+    if "throughput" in phases:
+        batching = batching_study(args.clients, args.duration, args.client_processes)
+        results.put("batching_192", batching)
+    print_fake_summary(results.doc)
+    print_summary(results.doc)
+
+
+def fake_round_trips(
+    url: str, evaluator: NullEvaluator, sizes: list[int], repeats: int
+) -> dict[str, Any]:
+    """Per size and wire format: round trip vs in-process, server phases, CPU stages alone."""
     local = SO2LocalCalculator(evaluator)
-    try:
-        for n in sizes:
-            atoms = water_atoms(n)
-            in_process = median_ms(calculator_step(local, atoms), args.repeats)
-            for wire in ("json", "msgpack"):
-                http = http_round_trip(url, atoms, wire, args.repeats)
-                stages = stage_breakdown(atoms, wire == "msgpack", args.repeats)
-                round_trip = http["round_trip_ms"]
-                rows[f"{len(atoms)}/{wire}"] = {
-                    "round_trip_ms": round_trip,
-                    "in_process_ms": in_process,
-                    "overhead_ms": round_trip - in_process,
-                    "server_ms": http["server_ms"],
-                    "client_and_transport_ms": http["client_and_transport_ms"],
-                    "stages_ms": stages,  # each stage alone in this process
-                    "engine_in_process_ms": engine[str(len(atoms))],
-                }
-    finally:
-        server.terminate()
-        server.join(30)
-    batching = batching_study(args.clients, args.duration, args.client_processes)
-    result = {
-        "benchmark": "service-overhead-cpu-fake-model",
-        "date": datetime.now(UTC).isoformat(),
-        "command": " ".join(sys.argv),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "results": rows,
-        "batching_192": batching,
-    }
-    print(json.dumps(result, indent=2))
-    print(f"{'case':>14} {'round trip':>11} {'in-process':>11} {'overhead':>9}  (ms, medians)")
+    rows: dict[str, Any] = {}
+    for n in sizes:
+        atoms = water_atoms(n)
+        in_process = median_ms(calculator_step(local, atoms), repeats)
+        for wire in ("json", "msgpack"):
+            http = http_round_trip(url, atoms, wire, repeats)
+            round_trip = http["round_trip_ms"]
+            rows[f"{len(atoms)}/{wire}"] = {
+                "round_trip_ms": round_trip,
+                "in_process_ms": in_process,
+                "overhead_ms": round_trip - in_process,
+                "server_ms": http["server_ms"],
+                "client_and_transport_ms": http["client_and_transport_ms"],
+                # Each stage alone in this process.
+                "stages_ms": stage_breakdown(atoms, wire == "msgpack", repeats),
+            }
+    return rows
+
+
+def print_fake_summary(doc: dict[str, Any]) -> None:
+    rows = doc.get("results", {})
+    if rows:
+        print(f"{'case':>14} {'round trip':>11} {'in-process':>11} {'overhead':>9}  (ms, medians)")
     for key, row in rows.items():
         print(
             f"{key:>14} {row['round_trip_ms']:11.3f} {row['in_process_ms']:11.3f} "
             f"{row['overhead_ms']:9.3f}"
         )
-    print(f"{'clients':>8} {'/batched':>9} {'req/pass':>9} {'pass ms':>8}  (H200-like sleep model)")
-    for label, points in batching["points"].items():
-        for clients, row in points.items():
-            print(
-                f"{clients:>8} {row['vs_model_batched']:9.2f} "
-                f"{row['server']['requests_per_pass'] or 0:9.1f} "
-                f"{row['server']['pass_ms'] or 0:8.1f}  {label}"
+    for n, row in doc.get("engine_in_process", {}).get("requests_ms", {}).items():
+        print(f"engine, {n} atoms: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
+    batching = doc.get("batching_192")
+    if batching:
+        print(f"{'clients':>8} {'/batched':>9} {'req/pass':>9} {'pass ms':>8}  (H200-like model)")
+        for label, points in batching["points"].items():
+            for clients, row in points.items():
+                print(
+                    f"{clients:>8} {row['vs_model_batched']:9.2f} "
+                    f"{row['server']['requests_per_pass'] or 0:9.1f} "
+                    f"{row['server']['pass_ms'] or 0:8.1f}  {label}"
+                )
+
+
+PHASES = ("in_process", "engine", "profile", "http", "throughput")
+"""GPU run phases in their order; ``profile`` (``--profile-server``) profiles passes of the
+engine in this process (within ``engine``) and of the server (before the ``http`` phase)."""
+
+PROFILE_PASSES, PROFILE_SKIP = 10, 6
+"""Profiled passes of sequential 192-atom requests, after this many unprofiled ones (the
+server's first 192-atom requests record its CUDA graph)."""
+
+
+def profile_requests(request: ProfileRequest) -> int:
+    """Sequential requests that make ``request.skip + request.passes`` passes."""
+    return request.skip + request.passes
+
+
+def server_profile_phase(url: str, request: ProfileRequest, timeout_s: float = 60.0) -> Any:
+    """Sequential 192-atom msgpack requests until the server has written its pass profile;
+    the profile, with the median phases of those requests."""
+    atoms = water_atoms(192)
+    row = http_round_trip(url, atoms, "msgpack", profile_requests(request))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        written = sorted(request.out_dir.glob(f"profile-{request.label}-*.json"))
+        if written:
+            return {"requests": row, **json.loads(written[-1].read_text())}
+        time.sleep(0.2)
+    return {"requests": row, "error": f"no profile in {request.out_dir} after {timeout_s} s"}
+
+
+class ResultsFile:
+    """The results document, rewritten after every phase (a run cut short keeps what ran)."""
+
+    def __init__(self, path: Path | None, header: dict[str, Any]) -> None:
+        self.path = path
+        self.doc = header
+        self._last = time.monotonic()
+
+    def put(self, key: str, value: Any) -> None:
+        """Add one phase's results (and the seconds since the previous one) and save."""
+        now = time.monotonic()
+        self.doc.setdefault("phase_seconds", {})[key] = round(now - self._last, 1)
+        self._last = now
+        self.doc[key] = value
+        derive_comparisons(self.doc)
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_suffix(".part")
+        partial.write_text(json.dumps(self.doc, indent=2))
+        partial.replace(self.path)
+        print(f"[{key}] written to {self.path}", flush=True)
+
+
+def derive_comparisons(doc: dict[str, Any]) -> None:
+    """Overhead splits and throughput ratios from whichever phases are in ``doc``."""
+    in_process = doc.get("in_process")
+    engine = doc.get("engine_in_process", {})
+    for key, row in doc.get("http_overhead", {}).items():
+        size = key.split("/")[0]
+        if in_process is not None:
+            local = in_process["single_ms"][size]
+            row["overhead_ms"] = row["round_trip_ms"] - local
+            # Device pass on the server vs the in-process call without its host validation.
+            row["server_compute_minus_in_process_predict_ms"] = row["server_ms"]["compute_ms"] - (
+                local - in_process["validate_ms"][size]
             )
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+        through_engine = engine.get("requests_ms", {}).get(size)
+        if through_engine is not None:
+            # The overhead split: the engine's share (no HTTP) and what HTTP adds on top.
+            if in_process is not None:
+                row["engine_minus_in_process_ms"] = through_engine["total_ms"] - local
+            row["http_minus_engine_ms"] = row["round_trip_ms"] - through_engine["total_ms"]
+            # The same worker step with and without a server around it.
+            row["server_compute_minus_engine_compute_ms"] = (
+                row["server_ms"]["compute_ms"] - through_engine["compute_ms"]
+            )
+    if in_process is None:
+        return
+    batched_key = max(
+        (k for k in in_process if k.startswith("batched_")), key=lambda k: int(k[8:].split("x")[0])
+    )
+    batched = in_process[batched_key]["atom_steps_per_s"]
+    serial = in_process["serial_192"]["atom_steps_per_s"]
+    for rows in (doc.get("http_throughput_192", {}), engine.get("throughput_192", {})):
+        for row in rows.values():
+            row["vs_in_process_batched"] = row["atom_steps_per_s"] / batched
+            row["vs_in_process_serial"] = row["atom_steps_per_s"] / serial
+    http = doc.get("http_throughput_192", {})
+    if http:
+        most = max(http, key=int)
+        doc[f"http{most}_vs_in_process_batched"] = http[most]["vs_in_process_batched"]
 
 
 def main() -> None:
@@ -755,6 +936,20 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--phases",
+        nargs="+",
+        choices=PHASES,
+        default=None,
+        help="run only these phases (default: all but profile; ratios need in_process)",
+    )
+    parser.add_argument(
+        "--profile-server",
+        action="store_true",
+        help=f"add the profile phase: {PROFILE_PASSES} passes of sequential 192-atom requests "
+        "profiled (torch.profiler, thread CPU times, GC) in the server and behind the engine "
+        "in this process",
+    )
+    parser.add_argument(
         "--batch-window-ms",
         type=float,
         default=None,
@@ -765,6 +960,14 @@ def main() -> None:
         type=float,
         default=None,
         help="the server's interpreter switch interval (default: its own; CPython's is 5)",
+    )
+    parser.add_argument(
+        "--server-env",
+        nargs="+",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment of the server process only (e.g. OMP_NUM_THREADS=4, "
+        "SO2SERVE_SWITCH_INTERVAL_MS=1), recorded in the results",
     )
     parser.add_argument(
         "--fake-model", action="store_true", help="CPU overhead breakdown with a do-nothing model"
@@ -778,103 +981,140 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.duration = min(args.repeats, 8), min(args.duration, 4.0)
+    phases = set(args.phases or [p for p in PHASES if p != "profile"])
+    server_env = dict(item.split("=", 1) for item in args.server_env)
+    if args.profile_server:
+        phases.add("profile")
     if args.fake_model:
-        fake_model_main(args)
+        fake_model_main(args, phases)
         return
     device = torch.device(args.device)
     workdir = Path(tempfile.mkdtemp(prefix="so2bench-"))
     model = model_file(args.model, workdir)
-
-    potential = load_potential(model, device=args.device)
-    batch = max(args.clients)
-    in_process = in_process_phase(potential, args.sizes, batch, args.repeats)
-    engine = engine_phase(potential, args.sizes, args.repeats, args.clients, args.duration)
-    execution = vars(potential.execution)
-    del potential
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    port = free_port()
-    server = start_server(model, args.device, port, args.batch_window_ms, args.switch_interval_ms)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        overhead = http_overhead_phase(url, args.sizes, args.repeats)
-        throughput = throughput_phase(url, args.clients, args.duration, args.client_processes)
-    finally:
-        server.terminate()
-        server.wait(60)
-
-    for key, row in overhead.items():
-        size = key.split("/")[0]
-        local = in_process["single_ms"][size]
-        through_engine = engine["requests_ms"][size]
-        row["overhead_ms"] = row["round_trip_ms"] - local
-        # The overhead split: the engine's share (no HTTP) and what HTTP adds on top.
-        row["engine_minus_in_process_ms"] = through_engine["total_ms"] - local
-        row["http_minus_engine_ms"] = row["round_trip_ms"] - through_engine["total_ms"]
-        # The same worker step with and without a server around it.
-        row["server_compute_minus_engine_compute_ms"] = (
-            row["server_ms"]["compute_ms"] - through_engine["compute_ms"]
-        )
-        # Device pass on the server vs the in-process call without its host validation.
-        row["server_compute_minus_in_process_predict_ms"] = row["server_ms"]["compute_ms"] - (
-            local - in_process["validate_ms"][size]
-        )
-    batched = in_process[f"batched_{batch}x192"]["atom_steps_per_s"]
-    serial = in_process["serial_192"]["atom_steps_per_s"]
-    for rows in (throughput, engine["throughput_192"]):
-        for row in rows.values():
-            row["vs_in_process_batched"] = row["atom_steps_per_s"] / batched
-            row["vs_in_process_serial"] = row["atom_steps_per_s"] / serial
-    result = {
-        "benchmark": "service",
-        "date": datetime.now(UTC).isoformat(),
-        "command": " ".join(sys.argv),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "python": sys.version.split()[0],
-        "http_stack": {name: _version(name) for name in ("uvicorn", "uvloop", "httptools")},
-        "model": str(model),
-        "execution": execution,
-        "server_batch_window_ms": args.batch_window_ms,
-        "server_switch_interval_ms": args.switch_interval_ms,
-        "in_process": in_process,
-        "engine_in_process": engine,
-        "http_overhead": overhead,
-        "http_throughput_192": throughput,
-        f"http{batch}_vs_in_process_batched": throughput[str(batch)]["atom_steps_per_s"] / batched,
-    }
-    out = (
-        args.out or ROOT / "benchmarks" / "results" / f"service-{datetime.now():%Y%m%d-%H%M%S}.json"
+    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    results = ResultsFile(
+        args.out or ROOT / "benchmarks" / "results" / f"service-{stamp}.json",
+        {
+            "benchmark": "service",
+            "date": datetime.now(UTC).isoformat(),
+            "command": " ".join(sys.argv),
+            "phases": [p for p in PHASES if p in phases],
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "triton": _version("triton"),
+            "python": sys.version.split()[0],
+            "http_stack": {name: _version(name) for name in ("uvicorn", "uvloop", "httptools")},
+            "model": str(model),
+            "server_batch_window_ms": args.batch_window_ms,
+            "server_switch_interval_ms": args.switch_interval_ms,
+            "server_env": server_env,
+        },
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
-    print_summary(overhead, throughput, engine["throughput_192"])
-    print(f"wrote {out}")
 
+    def profile_request(label: str) -> ProfileRequest | None:
+        if "profile" not in phases:
+            return None
+        return ProfileRequest(PROFILE_PASSES, PROFILE_SKIP, workdir / "profile", label)
 
-def print_summary(
-    overhead: dict[str, Any], throughput: dict[str, Any], engine_throughput: dict[str, Any]
-) -> None:
-    print("overhead (ms, medians; target ≤ 1 ms at ≤ 1k atoms) = engine share + HTTP share")
-    print(f"{'case':>14} {'HTTP':>10} {'overhead':>9} {'engine':>8} {'HTTP':>8} {'Δcompute':>9}")
-    for key, row in overhead.items():
-        print(
-            f"{key:>14} {row['round_trip_ms']:10.3f} {row['overhead_ms']:9.3f} "
-            f"{row['engine_minus_in_process_ms']:8.3f} {row['http_minus_engine_ms']:8.3f} "
-            f"{row['server_compute_minus_engine_compute_ms']:9.3f}"
+    if phases & {"in_process", "engine"} or (
+        "profile" in phases and not phases & {"http", "throughput"}
+    ):
+        potential = load_potential(model, device=args.device)
+        results.put("execution", vars(potential.execution))
+        if "in_process" in phases:
+            batch = max(args.clients)
+            results.put("in_process", in_process_phase(potential, args.sizes, batch, args.repeats))
+        if "engine" in phases or "profile" in phases:
+            engine_sizes = args.sizes if "engine" in phases else []
+            # --quick leaves out the engine's in-process crowds: their client coroutines share
+            # this interpreter with the worker, so they measure the benchmark, not the engine.
+            engine_clients = args.clients if "engine" in phases and not args.quick else []
+            engine = engine_phase(
+                potential,
+                engine_sizes,
+                args.repeats,
+                engine_clients,
+                args.duration,
+                profile_request("engine"),
+            )
+            results.put("engine_in_process", engine)
+        del potential
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    server_phases = phases & {"profile", "http", "throughput"}
+    if server_phases:
+        port = free_port()
+        profile = profile_request("server")
+        server = start_server(
+            model,
+            args.device,
+            port,
+            args.batch_window_ms,
+            args.switch_interval_ms,
+            profile,
+            server_env,
         )
-    print(f"{'clients':>8} {'atom-steps/s':>13} {'/batched':>9} {'/serial':>8} {'req/pass':>9}")
+        try:
+            url = f"http://127.0.0.1:{port}"
+            if profile is not None:
+                results.put("server_profile", server_profile_phase(url, profile))
+            if "http" in phases:
+                results.put("http_overhead", http_overhead_phase(url, args.sizes, args.repeats))
+            if "throughput" in phases:
+                throughput = throughput_phase(
+                    url, args.clients, args.duration, args.client_processes
+                )
+                results.put("http_throughput_192", throughput)
+        finally:
+            server.terminate()
+            server.wait(60)
+    print_summary(results.doc)
+    print(f"wrote {results.path}")
+
+
+def print_summary(doc: dict[str, Any]) -> None:
+    overhead = doc.get("http_overhead", {})
+    if overhead:
+        print("overhead (ms, medians; target ≤ 1 ms at ≤ 1k atoms) = engine share + HTTP share")
+        print(
+            f"{'case':>14} {'HTTP':>10} {'overhead':>9} {'engine':>8} {'HTTP':>8} {'Δcompute':>9}"
+        )
+        for key, row in overhead.items():
+            cells = [
+                row.get(name, float("nan"))
+                for name in (
+                    "overhead_ms",
+                    "engine_minus_in_process_ms",
+                    "http_minus_engine_ms",
+                    "server_compute_minus_engine_compute_ms",
+                )
+            ]
+            print(
+                f"{key:>14} {row['round_trip_ms']:10.3f} "
+                + " ".join(f"{c:{w}.3f}" for c, w in zip(cells, (9, 8, 8, 9), strict=True))
+            )
+    throughput = doc.get("http_throughput_192", {})
+    engine_throughput = doc.get("engine_in_process", {}).get("throughput_192", {})
+    if throughput or engine_throughput:
+        print(f"{'clients':>8} {'atom-steps/s':>13} {'/batched':>9} {'/serial':>8} {'req/pass':>9}")
     for name, rows in (("HTTP", throughput), ("engine", engine_throughput)):
         for clients, row in rows.items():
             print(
                 f"{clients:>8} {row['atom_steps_per_s']:13.0f} "
-                f"{row['vs_in_process_batched']:9.2f} {row['vs_in_process_serial']:8.2f} "
+                f"{row.get('vs_in_process_batched', float('nan')):9.2f} "
+                f"{row.get('vs_in_process_serial', float('nan')):8.2f} "
                 f"{row['server']['requests_per_pass'] or 0:9.1f}  {name}"
             )
+    profiles = [
+        ("server", doc.get("server_profile", {})),
+        ("engine", doc.get("engine_in_process", {}).get("profile", {})),
+    ]
+    for label, profile in profiles:
+        medians = profile.get("medians")
+        if medians:
+            print(f"profile {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
 
 
 def _version(package: str) -> str:

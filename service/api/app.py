@@ -31,6 +31,7 @@ from service.api.routes import api_router, health_router
 from service.api.schemas import ErrorResponse, EvaluateRequest, EvaluateResponse
 from service.api.settings import ServiceSettings
 from service.engine import BatchLimits, Engine, Evaluator, ServiceMetrics, Worker
+from service.engine.profiling import PassProfiler, ProfileRequest
 
 log = logging.getLogger("so2serve.api")
 
@@ -98,6 +99,32 @@ def batch_limits(settings: ServiceSettings) -> BatchLimits:
     )
 
 
+def pass_profiler(settings: ServiceSettings) -> PassProfiler | None:
+    """The opt-in pass profiler (``SO2SERVE_PROFILE_PASSES``); None when off."""
+    if settings.profile_passes <= 0:
+        return None
+    return PassProfiler(
+        ProfileRequest(
+            passes=settings.profile_passes,
+            skip=settings.profile_skip_passes,
+            out_dir=settings.profile_dir,
+        )
+    )
+
+
+def refuses_coincident_atoms(evaluator: Evaluator) -> bool:
+    """Whether ``evaluator.predict`` itself raises ``coincident_atoms`` (with the structure's
+    index) for atoms closer than the validation's limit: ``Potential`` does, in its neighbour
+    list (``build_graph``); an evaluator may also say so with a ``refuses_coincident_atoms``
+    attribute. Then decoding skips that check."""
+    from service.model.potential import Potential
+
+    declared = getattr(evaluator, "refuses_coincident_atoms", None)
+    if isinstance(declared, bool):
+        return declared
+    return isinstance(evaluator, Potential)
+
+
 def _element_numbers(info: dict[str, Any]) -> list[int]:
     return [atomic_numbers[s] if isinstance(s, str) else int(s) for s in info["elements"]]
 
@@ -115,6 +142,7 @@ async def _start(state: ServiceState, evaluator: Evaluator | None) -> None:
         state.metrics,
         rcut=float(info["rcut"]),
         elements=elements,
+        profiler=pass_profiler(state.settings),
     )
     await engine.start()
     if state.settings.warm_up:
@@ -134,6 +162,7 @@ async def _start(state: ServiceState, evaluator: Evaluator | None) -> None:
             "version": state.server_version,
         }
     )
+    state.decode_checks_coincident = not refuses_coincident_atoms(evaluator)
     state.engine, state.evaluator, state.ready = engine, evaluator, True
     log.info(
         "ready in %.1f s: model %s (%s) on %s, %s path, %s",

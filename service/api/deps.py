@@ -41,6 +41,9 @@ class ServiceState:
     evaluator: Evaluator | None = None
     provenance: dict[str, Any] = field(default_factory=dict)  # the per-model part
     ready: bool = False
+    # Whether /evaluate checks for coincident atoms while decoding; off where the model's
+    # neighbour list refuses them (a 422 from the worker instead, same code and field).
+    decode_checks_coincident: bool = True
 
 
 async def get_state(request: Request) -> ServiceState:

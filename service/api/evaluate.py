@@ -10,14 +10,17 @@ answers as a FastAPI route would: the same JSON errors, ``X-Request-ID``, reques
 Timings in each answer's ``provenance.timings`` (ms): ``read`` (receiving the body),
 ``decode`` (parsing and validating it), ``queue`` (admission → first device pass),
 ``compute`` (device passes that carried the request, shared with the others in them),
-``handoff`` (last pass ended in the worker thread → this handler runs again), ``total``
-(arrival → answer ready to encode). Encoding the answer is observed in the
-``so2serve_encode_seconds`` histogram.
+``handoff`` (last pass ended in the worker thread → this handler runs again), split into
+``return`` (pass ended → the event loop set the result) and ``resume`` (result set → this
+handler runs), ``total`` (arrival → answer ready to encode). Encoding the answer and handing
+it to the HTTP server are observed in the ``so2serve_encode_seconds`` and
+``so2serve_respond_seconds`` histograms.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -94,15 +97,18 @@ class EvaluateEndpoint:
         else:
             status, media = (200, answer.fmt.value) if answer else (CLIENT_CLOSED_REQUEST, "")
             payload = answer.payload if answer else None
+        responding = time.perf_counter()
         try:
             if payload is not None:
                 await _respond(send, status, payload, media, request_id, extra)
         finally:
             # Metrics once the answer is out: none of this delays the client.
             metrics = self._state.metrics
-            metrics.record_request(EVALUATE_PATH, status, time.perf_counter() - started)
+            done = time.perf_counter()
+            metrics.record_request(EVALUATE_PATH, status, done - started)
             if answer is not None:
                 metrics.encode_seconds.observe(answer.encode_s)
+                metrics.respond_seconds.observe(done - responding)
 
     async def _answer(
         self,
@@ -123,10 +129,13 @@ class EvaluateEndpoint:
         if body is None:
             return None
         read = time.perf_counter()
+        check = state.decode_checks_coincident
         if len(body) > PARSE_IN_THREAD_BYTES:
-            parsed, structures = await asyncio.to_thread(parse_evaluate, body, fmt_in)
+            parsed, structures = await asyncio.to_thread(
+                functools.partial(parse_evaluate, check_coincident=check), body, fmt_in
+            )
         else:
-            parsed, structures = parse_evaluate(body, fmt_in)
+            parsed, structures = parse_evaluate(body, fmt_in, check_coincident=check)
         decoded = time.perf_counter()
         evaluation = engine.submit(structures, parsed.properties, client=connection_of(scope))
         result = await _unless_disconnected(receive, evaluation)
@@ -159,6 +168,8 @@ def _timings(
         "queue_ms": t.queue_s * 1e3,
         "compute_ms": t.compute_s * 1e3,
         "handoff_ms": max(0.0, resumed - t.finished_at) * 1e3,
+        "return_ms": max(0.0, t.delivered_at - t.finished_at) * 1e3,
+        "resume_ms": max(0.0, resumed - t.delivered_at) * 1e3,
         "total_ms": (resumed - started) * 1e3,
     }
 

@@ -71,6 +71,17 @@ class ServiceSettings(BaseSettings):
         default=1024, gt=0, description="queued requests; above → 503 Retry-After"
     )
     max_body_mb: float = Field(default=512.0, gt=0, description="largest request body")
+    profile_passes: int = Field(
+        default=0,
+        ge=0,
+        description="record this many device passes with torch.profiler (0: off; diagnostics)",
+    )
+    profile_skip_passes: int = Field(
+        default=10, ge=0, description="passes after warm-up before the profiled ones"
+    )
+    profile_dir: Path = Field(
+        default=Path("so2serve-profile"), description="where the pass profile JSON is written"
+    )
     warm_up: bool = Field(default=True, description="run one pass before reporting ready")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

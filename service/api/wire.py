@@ -157,8 +157,14 @@ def _bad_array(field: str, message: str) -> ApiError:
     return ApiError(422, "bad_array", f"{field}: {message}", detail={"field": field})
 
 
-def parse_evaluate(body: bytes, fmt: WireFormat) -> tuple[EvaluateRequest, Structures]:
-    """Body → validated request and batched ``Structures`` (raises 400/422 errors)."""
+def parse_evaluate(
+    body: bytes, fmt: WireFormat, *, check_coincident: bool = True
+) -> tuple[EvaluateRequest, Structures]:
+    """Body → validated request and batched ``Structures`` (raises 400/422 errors).
+
+    ``check_coincident=False`` leaves the coincident-atoms check (about half of the validation
+    of a small structure) to a model whose neighbour list refuses such structures itself.
+    """
     request = EvaluateRequest.model_validate(decode(body, fmt))
     try:
         items = [
@@ -170,7 +176,7 @@ def parse_evaluate(body: bytes, fmt: WireFormat) -> tuple[EvaluateRequest, Struc
             )
             for i, s in enumerate(request.structures)
         ]
-        return request, Structures.from_arrays(items)
+        return request, Structures.from_arrays(items, check_coincident=check_coincident)
     except InvalidStructureError as exc:
         # The graph layer calls the species field by its internal name.
         where = (exc.field or "").replace(".numbers", ".species")

@@ -39,13 +39,15 @@ import contextlib
 import logging
 import math
 import re
+import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from ase.data import chemical_symbols
+from torch import Tensor
 
 from service.engine.errors import (
     EngineClosedError,
@@ -55,6 +57,7 @@ from service.engine.errors import (
     TooManyAtomsError,
 )
 from service.engine.metrics import ServiceMetrics
+from service.engine.profiling import PassProfiler
 from service.engine.worker import BatchOutput, DeviceThread, Worker, select_structures
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import MAX_ATOMIC_NUMBER, Structures
@@ -104,6 +107,7 @@ class EvaluationTimings:
     compute_s: float  # wall time of the device passes that carried it (shared with others)
     passes: int
     finished_at: float = 0.0  # perf_counter() when its last pass ended (in the worker thread)
+    delivered_at: float = 0.0  # perf_counter() when the event loop set its result
 
 
 @dataclass(frozen=True)
@@ -119,16 +123,39 @@ class EvaluationResult:
     timings: EvaluationTimings
 
 
-def estimate_edges(structures: Structures, rcut: float) -> np.ndarray:
+def _host(tensor: Tensor) -> np.ndarray:
+    array: np.ndarray = tensor.detach().cpu().numpy()
+    return array
+
+
+def cell_volumes(cells: np.ndarray) -> np.ndarray:
+    """(B,) |det| of (B, 3, 3) cells, written out: ``np.linalg.det`` costs several times more
+    for the one or few cells of a request (its dispatch dominates)."""
+    a, b, c = cells[:, 0], cells[:, 1], cells[:, 2]
+    det = (
+        a[:, 0] * (b[:, 1] * c[:, 2] - b[:, 2] * c[:, 1])
+        + a[:, 1] * (b[:, 2] * c[:, 0] - b[:, 0] * c[:, 2])
+        + a[:, 2] * (b[:, 0] * c[:, 1] - b[:, 1] * c[:, 0])
+    )
+    volume: np.ndarray = np.abs(det)
+    return volume
+
+
+def estimate_edges(
+    structures: Structures, rcut: float, atom_counts: np.ndarray | None = None
+) -> np.ndarray:
     """(B,) expected directed neighbour pairs per structure, n·ρ·(4/3)πr³.
 
     ρ is measured from the cell of fully periodic structures; otherwise ``REFERENCE_DENSITY``,
     and a finite molecule cannot have more than n−1 neighbours per atom. Whole-batch numpy
-    without masks or gathers: this runs on the event loop for every request.
+    without masks or gathers: this runs on the event loop for every request (``atom_counts``,
+    (B,), when the caller has them already).
     """
-    n_atoms = np.diff(structures.ptr.cpu().numpy()).astype(np.float64)
-    pbc = structures.pbc.cpu().numpy()
-    volume = np.abs(np.linalg.det(structures.cells.detach().cpu().numpy()))
+    if atom_counts is None:
+        atom_counts = np.diff(_host(structures.ptr))
+    n_atoms = atom_counts.astype(np.float64)
+    pbc = _host(structures.pbc)
+    volume = cell_volumes(_host(structures.cells))
     measured = pbc.all(axis=1) & (volume > 0)
     density = np.where(measured, n_atoms / np.where(measured, volume, 1.0), REFERENCE_DENSITY)
     neighbours = density * ((4.0 / 3.0) * math.pi * rcut**3)
@@ -163,6 +190,7 @@ class _Job:
     finished_at: float = 0.0
     compute_s: float = 0.0
     passes: int = 0
+    delivered_at: float = 0.0
 
     @property
     def n_structures(self) -> int:
@@ -247,8 +275,10 @@ def _relocated(reason: BaseException, index: int) -> BaseException:
         return StructureTooLargeError(index=index, n_atoms=reason.n_atoms, device=reason.device)
     if isinstance(reason, InvalidStructureError):
         where = re.sub(r"^structures\[\d+\]", f"structures[{index}]", reason.field or "")
+        # The model's own checks name the structure by its place in the batch.
+        message = re.sub(r"^structure \d+:", f"structure {index}:", str(reason))
         return InvalidStructureError(
-            reason.code, str(reason), field=where or f"structures[{index}]", index=index
+            reason.code, message, field=where or f"structures[{index}]", index=index
         )
     return EvaluationFailedError(index=index, cause=reason)
 
@@ -264,8 +294,10 @@ class Engine:
         *,
         rcut: float,
         elements: Collection[int] | None = None,
+        profiler: PassProfiler | None = None,
     ) -> None:
         self._worker = worker
+        self._profiler = profiler
         self._limits = limits
         self._metrics = metrics
         self._rcut = rcut
@@ -305,6 +337,8 @@ class Engine:
     async def start(self) -> None:
         """Start the worker thread; from now on requests are admitted on this event loop."""
         self._loop = asyncio.get_running_loop()
+        if self._profiler is not None:  # its passes report this thread's CPU time too
+            self._profiler.loop_thread = threading.get_ident()
         self._device = DeviceThread()
         self._open = True
 
@@ -366,8 +400,9 @@ class Engine:
     ) -> _Job:
         if not self.running:
             raise EngineClosedError("the model is not loaded yet, or the server is stopping")
-        atom_ptr = structures.ptr.cpu().numpy()
-        self._check_sizes(np.diff(atom_ptr))
+        atom_ptr = _host(structures.ptr)
+        atom_counts = atom_ptr[1:] - atom_ptr[:-1]
+        self._check_sizes(atom_counts)
         self._check_elements(structures, atom_ptr)
         if len(self._queue) >= self._limits.max_queue:
             self._metrics.rejected.labels("queue_full").inc()
@@ -376,13 +411,16 @@ class Engine:
                 "retry later",
                 retry_after_s=self._retry_after_s(),
             )
-        edges = estimate_edges(structures, self._rcut)
+        edges = estimate_edges(structures, self._rcut, atom_counts)
+        edge_cumsum = np.empty(len(edges) + 1)
+        edge_cumsum[0] = 0.0
+        np.cumsum(edges, out=edge_cumsum[1:])
         job = _Job(
             structures=structures,
             properties=properties,
             client=client,
             atom_ptr=atom_ptr,
-            edge_cumsum=np.concatenate([[0.0], np.cumsum(edges)]),
+            edge_cumsum=edge_cumsum,
             future=asyncio.get_running_loop().create_future(),
             admitted_at=time.perf_counter(),
         )
@@ -395,6 +433,8 @@ class Engine:
         return job
 
     def _check_sizes(self, atom_counts: np.ndarray) -> None:
+        if atom_counts.max() <= self._limits.max_atoms:
+            return
         over = np.flatnonzero(atom_counts > self._limits.max_atoms)
         if over.size:
             self._metrics.rejected.labels("too_many_atoms").inc()
@@ -406,7 +446,7 @@ class Engine:
     def _check_elements(self, structures: Structures, atom_ptr: np.ndarray) -> None:
         if self._known is None or self._elements is None:
             return
-        numbers = structures.numbers.cpu().numpy()  # validated: 1..MAX_ATOMIC_NUMBER
+        numbers = _host(structures.numbers)  # validated: 1..MAX_ATOMIC_NUMBER
         known = self._known[numbers]
         if not known.all():
             unknown = np.flatnonzero(~known)
@@ -537,18 +577,30 @@ class Engine:
         self._running = batch
         loop = self._require_loop()
         self._require_device().submit(lambda: self._run_pass(batch, loop))
-        self._record_batch(batch)  # while the worker thread wakes up
 
     def _run_pass(self, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
         """Worker thread: one device pass, then one hop back to the loop with its outcome."""
         outcome: BatchOutput | BaseException
+        after: Callable[[], None] | None = None
         try:
-            outcome = self._worker.run(batch.parts, batch.properties)
+            if self._profiler is None:
+                outcome = self._worker.run(batch.parts, batch.properties)
+            else:
+                outcome, after = self._profiler.around(
+                    lambda: self._worker.run(batch.parts, batch.properties),
+                    {
+                        "structures": batch.n_structures,
+                        "atoms": batch.n_atoms,
+                        "requests": len(batch.chunks),
+                    },
+                )
         except Exception as exc:  # a bug outside the model's per-structure isolation
             log.exception("device pass failed")
             outcome = exc.with_traceback(None)
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             loop.call_soon_threadsafe(self._finish_pass, batch, outcome)
+        if after is not None:
+            after()  # profiling bookkeeping, once the answer is on its way
 
     def _finish_pass(self, batch: _Batch, outcome: BatchOutput | BaseException) -> None:
         self._running = None
@@ -556,6 +608,7 @@ class Engine:
             return  # stop() has already failed every request of this batch
         if isinstance(outcome, BaseException):
             self._fail(batch, outcome)
+            self._require_loop().call_soon(self._record_batch, batch)
         else:
             self._deliver(batch, outcome)
         self._expect_returns(batch, time.perf_counter())
@@ -640,11 +693,15 @@ class Engine:
                 continue
             job.parts.append((chunk.start, chunk.results(output)))
             if job.cursor == job.n_structures and job.in_flight == 0:
+                job.delivered_at = time.perf_counter()
                 job.future.set_result(self._assemble(job))
         # After the handlers this has woken, which answer their clients first.
         self._require_loop().call_soon(self._record_pass, batch, output)
 
     def _record_pass(self, batch: _Batch, output: BatchOutput) -> None:
+        # Not when the pass starts: the loop would hold the interpreter lock the worker
+        # thread needs to begin the pass.
+        self._record_batch(batch)
         m = self._metrics
         m.pass_seconds.observe(output.seconds)
         if output.seconds > 0:
@@ -694,5 +751,6 @@ class Engine:
                 compute_s=job.compute_s,
                 passes=job.passes,
                 finished_at=job.finished_at,
+                delivered_at=job.delivered_at,
             ),
         )

@@ -169,6 +169,13 @@ class ServiceMetrics:
             buckets=_PHASE_BUCKETS,
             registry=r,
         )
+        self.respond_seconds = Histogram(
+            "so2serve_respond_seconds",
+            "Handing one encoded /evaluate answer to the HTTP server (until its bytes are "
+            "written to the socket or buffered).",
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
         self.model = Info("so2serve_model", "The served model and its execution path.", registry=r)
         # Labelled children, looked up once: labels() validates and locks on every call.
         self._request_counts: dict[tuple[str, int], Any] = {}

@@ -25,6 +25,7 @@ from torch import Tensor
 from service.engine.errors import StructureTooLargeError
 from service.engine.evaluator import Evaluator, PredictionLike
 from service.engine.metrics import ServiceMetrics
+from service.graph.errors import InvalidStructureError
 from service.graph.structures import StructureArrays, Structures
 
 log = logging.getLogger("so2serve.worker")
@@ -234,6 +235,11 @@ class Worker:
     def _evaluate(self, s: Structures, properties: frozenset[str], first_index: int) -> _Partial:
         try:
             return _Partial.from_prediction(self._evaluator.predict(s, properties))
+        except InvalidStructureError as exc:
+            if s.n_structures > 1 and exc.index is not None and 0 <= exc.index < s.n_structures:
+                return self._without(s, properties, first_index, exc)
+            oom = False
+            reason: Exception | None = exc.with_traceback(None)  # a client's input: no log
         except Exception as exc:  # any failure is isolated per structure below
             oom = is_out_of_memory(exc)
             what = "out of memory" if oom else f"{type(exc).__name__}: {exc}"
@@ -263,6 +269,30 @@ class Worker:
             select_structures(s, half, s.n_structures), properties, first_index + half
         )
         return _Partial.join(left, right)
+
+    def _without(
+        self,
+        s: Structures,
+        properties: frozenset[str],
+        first_index: int,
+        exc: InvalidStructureError,
+    ) -> _Partial:
+        """The batch again without the structure the model refused (an input error the model
+        finds itself, e.g. coincident atoms from its neighbour list): that structure fails,
+        the others are evaluated in at most two passes (no bisection)."""
+        bad = int(exc.index or 0)
+        log.info("structure %d refused by the model (%s)", first_index + bad, exc.code)
+        n_atoms = int(s.ptr[bad + 1] - s.ptr[bad])
+        parts = [_Partial.failed(n_atoms, first_index + bad, exc.with_traceback(None))]
+        if bad > 0:
+            parts.insert(0, self._evaluate(select_structures(s, 0, bad), properties, first_index))
+        if bad + 1 < s.n_structures:
+            rest = select_structures(s, bad + 1, s.n_structures)
+            parts.append(self._evaluate(rest, properties, first_index + bad + 1))
+        joined = parts[0]
+        for part in parts[1:]:
+            joined = _Partial.join(joined, part)
+        return joined
 
     def _release_cached_memory(self) -> None:
         # A Potential also holds recorded CUDA graphs (private pools); evaluators without any

@@ -58,6 +58,9 @@ class PairPotential:
     elements: tuple[str, ...] = ("H", "C", "O", "Cu")
     delay_s: float = 0.0
     oom_above_atoms: int | None = None
+    # Like ``Potential``, whose neighbour list refuses coincident atoms: the server then
+    # leaves that check out of decoding (``service.api.app.refuses_coincident_atoms``).
+    refuses_coincident_atoms: bool = False
     execution: FakeExecution = field(default_factory=FakeExecution)
     calls: list[tuple[int, int]] = field(default_factory=list)  # (structures, atoms) per call
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -77,6 +80,8 @@ class PairPotential:
         if self.delay_s:
             time.sleep(self.delay_s)
         self._check_elements(structures)
+        if self.refuses_coincident_atoms:
+            structures.check_coincident()  # names the structure by its index in the batch
         if self.oom_above_atoms is not None and structures.n_atoms > self.oom_above_atoms:
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 2.00 GiB (injected)"

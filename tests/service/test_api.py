@@ -17,7 +17,9 @@ from ase.data import atomic_numbers
 from fastapi import FastAPI
 
 from service.api import ServiceSettings, create_app
+from service.api.wire import WireFormat, parse_evaluate
 from service.engine import batcher
+from service.graph.errors import InvalidStructureError
 from service.graph.structures import Structures
 from tests.service.fakes import (
     PairPotential,
@@ -146,8 +148,13 @@ def test_results_match_the_potential_and_carry_provenance(
         "queue_ms",
         "compute_ms",
         "handoff_ms",
+        "return_ms",
+        "resume_ms",
         "total_ms",
     }
+    timings = provenance["timings"]
+    split = timings["return_ms"] + timings["resume_ms"]
+    assert split == pytest.approx(timings["handoff_ms"], abs=1e-6)
     energy_only = client.post("/evaluate", json=request_document(atoms, ["energy"])).json()
     assert set(energy_only["results"][0]) == {"n_atoms", "energy"}
 
@@ -411,3 +418,25 @@ def test_a_large_request_is_parsed_off_the_loop_and_spread_over_passes() -> None
     energies = [r["energy"] for r in document["results"]]
     np.testing.assert_allclose(energies, direct.energy.numpy(), rtol=1e-12)
     assert max(atoms for _, atoms in pot.calls) <= 1000
+
+
+def test_a_model_that_refuses_coincident_atoms_is_not_checked_twice() -> None:
+    """Decoding leaves the coincident-atoms check to such a model (it is about half of the
+    validation of a small structure); the client gets the same 422 from the worker."""
+    body = b'{"structures": [' + ONE_H + b", " + TWO_H_AT_ORIGIN + b"]}"
+    with (
+        serve(PairPotential(refuses_coincident_atoms=True)) as (url, _),
+        httpx.Client(base_url=url, timeout=30) as c,
+    ):
+        response = c.post("/evaluate", content=body, headers={"Content-Type": JSON})
+    error = assert_error(response, 422, "coincident_atoms")
+    assert error["detail"]["field"] == "structures[1].positions"
+    assert error["message"].startswith("structure 1:")
+
+
+def test_parse_skips_only_the_coincident_check_when_asked() -> None:
+    body = b'{"structures": [' + TWO_H_AT_ORIGIN + b"]}"
+    _, structures = parse_evaluate(body, WireFormat.JSON, check_coincident=False)
+    assert structures.n_atoms == 2
+    with pytest.raises(InvalidStructureError, match="coincident"):
+        parse_evaluate(body, WireFormat.JSON)

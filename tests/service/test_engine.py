@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -26,6 +29,7 @@ from service.engine import (
     batcher,
 )
 from service.engine.batcher import estimate_edges
+from service.engine.profiling import PassProfiler, ProfileRequest
 from service.engine.worker import DeviceThread
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import Structures
@@ -194,11 +198,12 @@ def test_a_lone_client_with_a_known_pace_is_never_held() -> None:
     assert requests_per_pass(pot) == [1] * 6
 
 
+@pytest.mark.usefixtures("loaded_machine_bound")
 @pytest.mark.parametrize(("think_s", "held"), [(0.002, True), (0.15, False)])
 def test_only_clients_quicker_than_the_bound_are_waited_for(think_s: float, held: bool) -> None:
     """A keyed client that pauses between requests, next to an anonymous MD loop that keeps
-    the device busy: its return is waited for if it comes back within a quarter of a pass
-    (40 ms here), never if it thinks for longer."""
+    the device busy: its return is waited for if it comes back within the bound (a whole
+    40 ms pass here, see ``loaded_machine_bound``), never if it thinks for longer."""
     pot = PairPotential(delay_s=0.04)
     water = structures_of(small_molecule("H2O"))
 
@@ -457,3 +462,69 @@ def test_device_thread_runs_in_order_reports_back_and_survives_failures() -> Non
         await asyncio.to_thread(device.close)
 
     asyncio.run(scenario())
+
+
+def test_a_structure_the_model_refuses_fails_alone_without_bisection() -> None:
+    """Coincident atoms found by the model (not at admission): that request gets the 422
+    error naming its own structure; the rest of the batch is evaluated in two passes."""
+    pot = PairPotential(delay_s=0.05, refuses_coincident_atoms=True)
+    good = [structures_of(small_molecule("H2O", seed=k)) for k in range(4)]
+    twin = small_molecule("H2O")
+    twin.positions[1] = twin.positions[0]
+    bad = Structures.from_atoms([small_molecule("CH4"), twin], check_coincident=False)
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> list[Any]:
+        blocker = engine.submit(good[0], PROPS)  # the rest queue up behind it: one batch
+        queued = [engine.submit(s, PROPS) for s in (good[1], bad, good[2], good[3])]
+        return await asyncio.gather(blocker, *queued, return_exceptions=True)
+
+    results = run_engine(pot, scenario)
+    # The blocker, the batch of 5 structures that failed, then the 2 structures before the
+    # refused one and the 2 after it.
+    assert requests_per_pass(pot) == [1, 5, 2, 2]
+    failure = results.pop(2)
+    assert isinstance(failure, InvalidStructureError)
+    assert failure.code == "coincident_atoms"
+    assert failure.index == 1
+    assert failure.field == "structures[1].positions"
+    assert str(failure).startswith("structure 1:")
+    for result, structures in zip(results, good, strict=True):
+        assert isinstance(result, EvaluationResult)
+        np.testing.assert_array_equal(result.forces, direct(pot, structures)["forces"])
+
+
+def test_pass_profiler_records_the_asked_passes(tmp_path: Path) -> None:
+    request = ProfileRequest(passes=2, skip=1, out_dir=tmp_path, label="test")
+    profiler = PassProfiler(request)
+    pot = PairPotential()
+    water = structures_of(small_molecule("H2O"))
+
+    async def main() -> None:
+        metrics = ServiceMetrics()
+        engine = Engine(
+            Worker(pot, metrics),
+            BatchLimits(),
+            metrics,
+            rcut=pot.rcut,
+            elements=element_numbers(pot),
+            profiler=profiler,
+        )
+        await engine.start()
+        try:
+            for _ in range(5):
+                await engine.evaluate(water, PROPS)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+    assert profiler.written is not None
+    document = json.loads(profiler.written.read_text())
+    assert [p["atoms"] for p in document["passes"]] == [3, 3]
+    first = document["passes"][0]
+    assert first["wall_ms"] > 0 and first["worker_cpu_ms"] > 0
+    assert first["loop_cpu_ms"] is not None
+    names = {op["name"] for op in first["top_cpu_ops"]}
+    assert "so2serve::pass" in names  # Python time between ops is its self time
+    assert any(name.startswith("aten::") for name in names)
+    assert document["context"]["switch_interval_s"] == sys.getswitchinterval()
+    assert set(document["medians"]) >= {"wall_ms", "worker_cpu_ms", "worker_blocked_ms"}
