@@ -24,10 +24,15 @@ mmax=1). Only the structural non-zeros of the Wigner block are read (rows m' ∈
 each degree, that degree's columns); every other entry has gradient exactly 0. Output
 (N, D, C_wide); nodes without edges get 0.
 
-Fused forward: one program per (node, channel block) walks the node's edge segment, rotating
-each edge's rows back in registers and accumulating the weighted sum in a (D, channels) register
-tile. The per-edge message (E, D, C_wide) is never written, and the sum runs in CSR order: no
-atomics, bitwise reproducible. Nothing per edge is saved by the forward.
+Fused forward: one program per (node, channel block, segment part) walks its part of the
+node's edge segment, rotating each edge's rows back in registers (the structural Wigner entries
+only, as scalars: ~25 loads and FMAs per edge and channel at lmax 2) and accumulating the
+weighted sum in a (D, channels) register tile. The per-edge message (E, D, C_wide) is never
+written. With P parts (P > 1 only when the nodes alone leave the GPU idle: small systems, where
+a node's ~10² edges would otherwise be one long serial loop in one of too few programs) part p
+takes the edges ``⌊len·p/P⌋ .. ⌊len·(p+1)/P⌋`` of the segment and writes a (P, N, D, C_wide)
+partial; a sum over P in fixed order finishes it. Either way no atomics, bitwise reproducible
+for a given launch shape. Nothing per edge is saved by the forward.
 
 Fused backward: nothing in it reduces over edges. With ``g_e = s ⊙ grad_out[dst(e)]`` an edge's
 ``grad x_local``, structural ``grad wigner`` entries and ``grad weights`` depend only on ``g_e``
@@ -78,6 +83,8 @@ __all__ = [
     "attention_aggregate_backward_reference",
     "attention_aggregate_reference",
     "check_aggregate_inputs",
+    "default_segment_parts",
+    "segment_parts",
 ]
 
 _OP = "so2_attention_aggregate"
@@ -225,21 +232,17 @@ def attention_aggregate_backward_reference(
     return grad_x, grad_wigner, grad_weights
 
 
-# Triton kernels. Forward: a node program walks its dst segment BLOCK_E edges at a time; tiles
-# are (BLOCK_E, DP, WP): edges × packed rows (D padded to a power of two) × channel lanes
-# (masked). Backward: an edge-block program; tiles are (BLOCK_E, WP). Every offset that scales
-# with E or N is int64.
+# Triton kernels. Forward: a (node, channel block, part) program walks its part of the dst
+# segment BLOCK_E edges at a time; edge tiles are (BLOCK_E, BLOCK_C) edges × channel lanes
+# (masked), the accumulator (DP, BLOCK_C) packed rows (D padded to a power of two) × lanes.
+# Backward: an edge-block program; tiles are (BLOCK_E, WP). Every offset that scales with E or N
+# is int64.
 
 
 @triton.jit
-def _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, row: tl.constexpr, l: tl.constexpr):
-    """``wigner[e, row, q]`` for the columns q of degree l's block (0 elsewhere): (BLOCK_E, DP)."""
-    in_block = (cols >= l * l) & (cols < (l + 1) * (l + 1))
-    return tl.load(
-        w_edge[:, None] + row * w_sr + (cols * w_sc)[None, :],
-        mask=edge_live[:, None] & in_block[None, :],
-        other=0.0,
-    )
+def _wigner_entry(w_edge, edge_live, w_sr, w_sc, row, col):
+    """``wigner[e, row, col]`` of a block of edges: (BLOCK_E,)."""
+    return tl.load(w_edge + row * w_sr + col * w_sc, mask=edge_live, other=0.0)
 
 
 @triton.jit
@@ -258,8 +261,14 @@ def _aggregate_fwd_kernel(
     x_chan = (cvec // FD) * ROW + cvec % FD
     group = cvec // GW
     cols = tl.arange(0, DP)
-    first = tl.load(rowptr_ptr + node)
-    stop = tl.load(rowptr_ptr + node + 1)
+    # Part p of P takes edges ⌊len·p/P⌋ .. ⌊len·(p+1)/P⌋ of the segment: the parts tile it
+    # exactly whatever its length (short segments leave some parts empty).
+    part = tl.program_id(2)
+    n_part = tl.num_programs(2)
+    seg_first = tl.load(rowptr_ptr + node)
+    seg_len = tl.load(rowptr_ptr + node + 1) - seg_first
+    first = seg_first + seg_len * part // n_part
+    stop = seg_first + seg_len * (part + 1) // n_part
     acc = tl.zeros((DP, BLOCK_C), dtype=tl.float32)
     for k0 in range(first, stop, BLOCK_E):
         edges = k0 + tl.arange(0, BLOCK_E)
@@ -270,20 +279,28 @@ def _aggregate_fwd_kernel(
         )
         x_edge = x_ptr + (edges * x_se)[:, None] + x_chan[None, :]
         w_edge = w_ptr + edges * w_se
+        # Only the structural entries: column q of degree l takes rows m' ∈ {0, ±1} of that
+        # degree (≤ 3 scalar loads and FMAs per edge and channel; a dense masked (DP,) Wigner row
+        # per reduced row would issue DP loads and FMAs each). The row select folds away: the
+        # packed-row axis of ``acc`` lies within each thread.
         for l in tl.static_range(L + 1):
             centre = l * l + l
-            xr = tl.load(x_edge + l * FD, mask=tile_mask, other=0.0) * weight
-            d_row = _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, centre, l)
-            acc += tl.sum(d_row[:, :, None] * xr[:, None, :], axis=0)
+            x_mid = tl.load(x_edge + l * FD, mask=tile_mask, other=0.0) * weight
             if l > 0:
-                xr = tl.load(x_edge + (L + l) * FD, mask=tile_mask, other=0.0) * weight
-                d_row = _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, centre - 1, l)
-                acc += tl.sum(d_row[:, :, None] * xr[:, None, :], axis=0)
-                xr = tl.load(x_edge + (2 * L + l) * FD, mask=tile_mask, other=0.0) * weight
-                d_row = _wigner_row(w_edge, edge_live, cols, w_sr, w_sc, centre + 1, l)
-                acc += tl.sum(d_row[:, :, None] * xr[:, None, :], axis=0)
+                x_neg = tl.load(x_edge + (L + l) * FD, mask=tile_mask, other=0.0) * weight
+                x_pos = tl.load(x_edge + (2 * L + l) * FD, mask=tile_mask, other=0.0) * weight
+            for q in tl.static_range(l * l, (l + 1) * (l + 1)):
+                d_mid = _wigner_entry(w_edge, edge_live, w_sr, w_sc, centre, q)
+                message = d_mid[:, None] * x_mid
+                if l > 0:
+                    d_neg = _wigner_entry(w_edge, edge_live, w_sr, w_sc, centre - 1, q)
+                    d_pos = _wigner_entry(w_edge, edge_live, w_sr, w_sc, centre + 1, q)
+                    message += d_neg[:, None] * x_neg + d_pos[:, None] * x_pos
+                acc += tl.where(cols[:, None] == q, tl.sum(message, axis=0)[None, :], 0.0)
     scale = tl.load(scale_ptr + cols, mask=cols < D, other=0.0)
-    out = out_ptr + node * (D * WD) + (cols * WD)[:, None] + cvec[None, :]
+    # Partial p of node n is row p·N + n of the (P·N, D, WD) output.
+    out_row = part.to(tl.int64) * tl.num_programs(0) + node
+    out = out_ptr + out_row * (D * WD) + (cols * WD)[:, None] + cvec[None, :]
     tl.store(out, acc * scale[:, None], mask=(cols < D)[:, None] & c_mask[None, :])
 
 
@@ -422,18 +439,18 @@ def _aggregate_bwd_kernel(
 
 # Launchers
 
-_INTERPRETER_BLOCK_E = 16
-"""Under TRITON_INTERPRET the cost is programs × ops: wide edge blocks, few programs (forward:
-a node segment, ~10² edges)."""
+_INTERPRETER_BLOCK_E = 128
+"""Under TRITON_INTERPRET the cost is programs × ops (~10² per edge block: a few per structural
+Wigner entry): one edge block per node segment (~10² edges)."""
 
 _INTERPRETER_BWD_BLOCK_E = 128
 """The backward's edge blocks run ~10² interpreted ops each, whatever their height."""
 
 
 def _block_e(device: torch.device) -> int:
-    """Forward edge step. On the GPU one edge per step keeps the (BLOCK_E, DP, WP) temporaries
-    in registers; the neighbour segments (~10²) give each program a long enough loop to hide
-    load latency."""
+    """Forward edge step. On the GPU one edge per step: 32 registers (ptxas, sm_90, lmax 2,
+    C 128, strides as specialised at run time; 48 at lmax 3), and the segment parts give each
+    SM enough programs to hide the loads' latency."""
     return 1 if device.type == "cuda" else _INTERPRETER_BLOCK_E
 
 
@@ -493,26 +510,77 @@ def _shape(x_local: Tensor, weights: Tensor, lmax: int) -> tuple[int, int, int, 
     return c_wide, focus_dim, c_wide // weights.shape[1], triton.next_power_of_2(n_coeff(lmax))
 
 
+SEGMENT_PROGRAMS_PER_SM = 16
+"""Node-segment kernels (this forward, ``segment_outer_sum``'s backward) cut segments into parts
+until they have about this many programs per SM: at 4 warps each that is the SM's full warp
+complement, enough independent load chains to hide latency. 0 never cuts (benchmarks)."""
+
+_MIN_PART_EDGES = 8
+"""A segment part keeps at least this many edges on average: shorter parts would cost more in
+per-part overhead (partial tiles, loop set-up) than they hide."""
+
+_MAX_PARTS = 32
+
+
+def segment_parts(n_node: int, n_edge: int, programs_per_node: int, sm_count: int) -> int:
+    """Parts P per node segment for a kernel with ``programs_per_node`` programs per (node, part)
+    over ``n_node`` nodes and ``n_edge`` edges on a GPU of ``sm_count`` SMs: 1 once the nodes
+    alone fill the GPU (large systems keep one pass per segment), else enough for
+    ~``SEGMENT_PROGRAMS_PER_SM`` programs per SM, bounded by the mean segment length."""
+    programs = max(1, n_node * programs_per_node)
+    wanted = -(-sm_count * SEGMENT_PROGRAMS_PER_SM // programs)
+    longest_useful = n_edge // max(1, n_node * _MIN_PART_EDGES)
+    return max(1, min(wanted, longest_useful, _MAX_PARTS))
+
+
+@cache
+def _sm_count(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def default_segment_parts(
+    device: torch.device, n_node: int, n_edge: int, programs_per_node: int
+) -> int:
+    """GPU: :func:`segment_parts`. The interpreter costs programs × ops: one part."""
+    if device.type != "cuda":
+        return 1
+    return segment_parts(n_node, n_edge, programs_per_node, _sm_count(device))
+
+
 def launch_aggregate_fwd(
-    x_local: Tensor, wigner: Tensor, weights: Tensor, dst_rowptr: Tensor, lmax: int
+    x_local: Tensor,
+    wigner: Tensor,
+    weights: Tensor,
+    dst_rowptr: Tensor,
+    lmax: int,
+    n_part: int | None = None,
+    block_e: int | None = None,
 ) -> Tensor:
-    """Forward kernel; ``x_local`` contiguous."""
+    """Forward kernel; ``x_local`` contiguous. ``n_part`` (segment parts; default
+    :func:`segment_parts` on the GPU, 1 elsewhere) and ``block_e`` (edges per step, a power of
+    two; default 1 on the GPU) override the launch shape (tests, benchmark sweeps)."""
     n_node = dst_rowptr.shape[0] - 1
     c_wide, focus_dim, group_width, dp = _shape(x_local, weights, lmax)
-    out = x_local.new_empty((n_node, n_coeff(lmax), c_wide))
     if n_node == 0 or c_wide == 0:
-        return out
+        return x_local.new_empty((n_node, n_coeff(lmax), c_wide))
     block_c = min(triton.next_power_of_2(c_wide), 128)
+    c_blocks = triton.cdiv(c_wide, block_c)
+    if n_part is None:
+        n_part = default_segment_parts(x_local.device, n_node, x_local.shape[0], c_blocks)
+    if n_part < 1:
+        raise ValueError(f"so2kernels.{_OP}: n_part must be >= 1, got {n_part}")
+    out = x_local.new_empty((n_part, n_node, n_coeff(lmax), c_wide))
     scale = rotate_back_rescale(lmax, x_local.device, torch.float32)
-    grid = (n_node, triton.cdiv(c_wide, block_c))
+    grid = (n_node, c_blocks, n_part)
     wrap_triton(_aggregate_fwd_kernel)[grid](
         x_local, wigner, weights, dst_rowptr, scale, out,
         x_local.stride(0), wigner.stride(0), wigner.stride(1), wigner.stride(2),
         weights.stride(0), weights.stride(1),
         L=lmax, FD=focus_dim, WD=c_wide, GW=group_width, DP=dp, BLOCK_C=block_c,
-        BLOCK_E=_block_e(x_local.device), num_warps=_num_warps(dp, block_c),
+        BLOCK_E=block_e or _block_e(x_local.device), num_warps=_num_warps(dp, block_c),
     )  # fmt: skip
-    return out
+    # A plain reduction over the leading axis: fixed order, no atomics.
+    return out[0] if n_part == 1 else out.sum(0)
 
 
 def launch_aggregate_bwd(

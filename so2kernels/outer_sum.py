@@ -28,11 +28,16 @@ Nodes without edges get 0. With ``g = grad_out`` and ``dst(e)`` the node owning 
 Fused forward: one program per (node, channel block) walks the node's edge segment BLOCK_E
 edges at a time, gathering ``b``'s rows through ``row_map`` and accumulating a (K, channels)
 register tile: the (E, K, C) message is never written, the sum runs in edge order (no atomics,
-bitwise reproducible). Fused backward: edge-parallel (nothing reduces over edges): one program
-per BLOCK_E consecutive edges gathers the node gradient rows of their destinations (neighbouring
-edges share them, so they come from L2) and writes ``grad_a`` and ``grad_b`` once. ``dst(e)`` is
-derived on the device, so no launch reads anything back to the host (CUDA-graph safe). Offsets
-that scale with E or N are int64.
+bitwise reproducible). Fused backward: nothing reduces over edges, but every edge of a segment
+reads the same node gradient ``g[n]`` (K, C): one program per (node, segment part) keeps it in
+L1 and streams its edges BLOCK_E at a time, as (BLOCK_E, channels) tiles per row j of ``b``:
+``grad_b[e, j] = Σ_{k→j} a[e, k]·g[n, k]`` and ``grad_a[e, k] = Σ_c g[n, k, c]·b[e, j, c]`` for
+each k mapped to j. So ``b`` is read once per row (not once per coefficient), ``grad_a`` and
+``grad_b`` are written once, and no per-edge gather of node rows exists (the previous
+edge-parallel kernel gathered (K, C) per edge: K× the traffic of ``b`` itself, in ~130-register
+programs). Small systems cut segments into parts like the aggregate forward
+(:func:`so2kernels.aggregate.segment_parts`); each edge is still written by exactly one program.
+Nothing is read back to the host (CUDA-graph safe). Offsets that scale with E or N are int64.
 
 Second order (training): under ``create_graph`` the backward is composed from differentiable
 torch ops (:func:`segment_outer_sum_backward_reference`); the Triton backward serves forces.
@@ -51,11 +56,12 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from so2kernels._dispatch import require_fp32, use_triton
-from so2kernels.aggregate import dst_of_edges
+from so2kernels.aggregate import default_segment_parts, dst_of_edges
 
 __all__ = [
     "OuterSumTiles",
     "check_outer_sum_inputs",
+    "default_bwd_tiles",
     "default_tiles",
     "launch_outer_sum_bwd",
     "launch_outer_sum_fwd",
@@ -129,13 +135,12 @@ def segment_outer_sum_backward_reference(
     return grad_a, grad_b
 
 
-# Triton kernels. Tiles are (KP, BLOCK_E, BLOCK_C): coefficients × edges × channels, K padded
-# to a power of two and masked. The coefficient axis leads so that Triton's default layout puts
-# lanes on channels and the remaining lanes and warps on edges (see default_tiles): every
-# coefficient of an (edge, channel) then sits in one thread, and the backward's sums over k
-# stay in registers.
-# b's row of coefficient k is row_map[k], masked to 0..J-1 so a bad map cannot read out of
-# bounds.
+# Triton kernels. Forward tiles are (KP, BLOCK_E, BLOCK_C): coefficients × edges × channels, K
+# padded to a power of two and masked. The coefficient axis leads so that Triton's default
+# layout puts lanes on channels and the remaining lanes and warps on edges (see default_tiles):
+# every coefficient of an (edge, channel) then sits in one thread. Backward tiles are
+# (BLOCK_E, BLOCK_C). b's row of coefficient k is row_map[k]; rows outside 0..J-1 are never
+# read, so a bad map cannot read out of bounds.
 
 
 @triton.jit
@@ -183,59 +188,57 @@ def _outer_sum_fwd_kernel(
     tl.store(out, tl.sum(acc, axis=1), mask=(ks < K)[:, None] & c_live[None, :])
 
 
-# n_edge only bounds the last tile: one compilation serves every edge count.
-@triton.jit(do_not_specialize=["n_edge"])
+@triton.jit
 def _outer_sum_bwd_kernel(
-    g_ptr, a_ptr, b_ptr, map_ptr, dst_ptr, ga_ptr, gb_ptr,
-    n_edge, a_se, a_sk, b_se, b_sj, b_sc, J, C,
+    g_ptr, a_ptr, b_ptr, map_ptr, rowptr_ptr, ga_ptr, gb_ptr,
+    a_se, a_sk, b_se, b_sj, b_sc, J, C,
     K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(E, BLOCK_E),); the program walks the channels BLOCK_C at a time, keeping
-    ``grad_a`` (KP, BLOCK_E) in registers throughout."""
-    edges = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
-    edge_live = edges < n_edge
-    ks, rows, row_live = _coefficient_rows(map_ptr, J, K, KP)
-    k_live = ks < K
-    coeff = tl.load(
-        a_ptr + (ks * a_sk)[:, None] + (edges * a_se)[None, :],
-        mask=k_live[:, None] & edge_live[None, :],
-        other=0.0,
-    )
-    # Edge offsets stay 1-D and meet the channel offsets at each access (fewer live registers).
-    g_edge = tl.load(dst_ptr + edges, mask=edge_live, other=0) * (K * C)
-    b_edge = edges * b_se
-    gb_edge = edges * J * C
-    grad_a = tl.zeros((KP, BLOCK_E), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        cs = c0 + tl.arange(0, BLOCK_C)
-        c_live = cs < C
-        g_live = (k_live[:, None] & edge_live[None, :])[:, :, None] & c_live[None, None, :]
-        g = tl.load(
-            g_ptr + (ks * C)[:, None, None] + g_edge[None, :, None] + cs[None, None, :],
-            mask=g_live,
-            other=0.0,
+    """Grid (N, P): program (n, p) takes edges ``⌊len·p/P⌋ .. ⌊len·(p+1)/P⌋`` of node n's
+    segment. Per edge block and channel block, each row j of ``b`` is loaded once and meets the
+    node-gradient rows ``g[n, k]`` of the coefficients mapped to it (an L1-resident (BLOCK_C,)
+    vector each); ``grad_a`` collects in a (BLOCK_E, KP) tile stored once per edge block."""
+    node = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    n_part = tl.num_programs(1)
+    seg_first = tl.load(rowptr_ptr + node)
+    seg_len = tl.load(rowptr_ptr + node + 1) - seg_first
+    first = seg_first + seg_len * part // n_part
+    stop = seg_first + seg_len * (part + 1) // n_part
+    slots = tl.arange(0, KP)
+    g_node = g_ptr + node * (K * C)
+    for e0 in range(first, stop, BLOCK_E):
+        edges = e0 + tl.arange(0, BLOCK_E)
+        edge_live = edges < stop
+        grad_a = tl.zeros((BLOCK_E, KP), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            cs = c0 + tl.arange(0, BLOCK_C)
+            c_live = cs < C
+            tile_mask = edge_live[:, None] & c_live[None, :]
+            for j in range(J):
+                b_row = tl.load(
+                    b_ptr + (edges * b_se + j * b_sj)[:, None] + (cs * b_sc)[None, :],
+                    mask=tile_mask,
+                    other=0.0,
+                )
+                grad_row = tl.zeros((BLOCK_E, BLOCK_C), dtype=tl.float32)
+                for k in tl.static_range(K):
+                    if tl.load(map_ptr + k) == j:
+                        g_k = tl.load(g_node + k * C + cs, mask=c_live, other=0.0)
+                        a_k = tl.load(a_ptr + edges * a_se + k * a_sk, mask=edge_live, other=0.0)
+                        grad_row += a_k[:, None] * g_k[None, :]
+                        dot = tl.sum(b_row * g_k[None, :], axis=1)
+                        grad_a += tl.where(slots[None, :] == k, dot[:, None], 0.0)
+                # Every row j is written, so rows no coefficient maps to come out 0.
+                tl.store(
+                    gb_ptr + (edges * J * C + j * C)[:, None] + cs[None, :], grad_row,
+                    mask=tile_mask,
+                )  # fmt: skip
+        tl.store(
+            ga_ptr + (edges * K)[:, None] + slots[None, :],
+            grad_a,
+            mask=edge_live[:, None] & (slots < K)[None, :],
         )
-        rows_b = tl.load(
-            b_ptr + (rows * b_sj)[:, None, None] + b_edge[None, :, None]
-            + (cs * b_sc)[None, None, :],
-            mask=g_live & row_live[:, None, None],
-            other=0.0,
-        )  # fmt: skip
-        grad_a += tl.sum(g * rows_b, axis=2)
-        scaled = g * coeff[:, :, None]
-        # Every row j is written, so rows no coefficient maps to come out 0.
-        for j in range(J):
-            picked = tl.where(((rows == j) & row_live)[:, None, None], scaled, 0.0)
-            tl.store(
-                gb_ptr + (gb_edge + j * C)[:, None] + cs[None, :],
-                tl.sum(picked, axis=0),
-                mask=edge_live[:, None] & c_live[None, :],
-            )
-    tl.store(
-        ga_ptr + ks[:, None] + (edges * K)[None, :],
-        grad_a,
-        mask=k_live[:, None] & edge_live[None, :],
-    )
 
 
 # Launchers
@@ -253,8 +256,14 @@ class OuterSumTiles(NamedTuple):
 
 _GPU_WARPS = 4
 _GPU_TILE_ELEMENTS = 4096
-"""KP·BLOCK_E·BLOCK_C on the GPU: a 3-D fp32 tile is 32 registers per thread at 4 warps; the
-backward holds about two at a time (g with the gathered b, then g·a)."""
+"""Forward KP·BLOCK_E·BLOCK_C on the GPU: a 3-D fp32 tile is 32 registers per thread at 4
+warps."""
+
+_GPU_BWD_TILE_ELEMENTS = 1024
+"""Backward BLOCK_E·BLOCK_C on the GPU (8 edges at C 128): 8 values per thread and tile at 4
+warps. ptxas (sm_90, K 8, C 128, strides as specialised at run time) needs 80 registers there
+and 154 at 2048 (the scheduler hoists the next coefficients' loads): ~6 programs, ~48 edges, in
+flight per SM without spills."""
 
 _INTERPRETER_TILE_ELEMENTS = 1 << 16
 """Under TRITON_INTERPRET the cost is programs × ops (numpy on whole tiles): few, wide tiles."""
@@ -264,8 +273,12 @@ def _coefficient_lanes(n_coeff: int) -> int:
     return int(triton.next_power_of_2(max(n_coeff, 1)))
 
 
+def _channel_block(n_chan: int) -> int:
+    return int(min(128, max(16, triton.next_power_of_2(max(n_chan, 1)))))
+
+
 def default_tiles(device: torch.device, n_coeff: int, n_chan: int) -> OuterSumTiles:
-    """Tile shape for K = ``n_coeff`` coefficients and C = ``n_chan`` channels (both kernels).
+    """Forward tile shape for K = ``n_coeff`` coefficients and C = ``n_chan`` channels.
 
     GPU: the widest channel block (≤ 128) that fits the budget with one edge per warp, then as
     many edges as the budget allows: with 4-wide channel vectors, lanes and warps beyond the
@@ -273,7 +286,7 @@ def default_tiles(device: torch.device, n_coeff: int, n_chan: int) -> OuterSumTi
     C 128 and K 4, C 64). Interpreter: one channel block up to 128, as many edges as fit.
     """
     kp = _coefficient_lanes(n_coeff)
-    block_c = int(min(128, max(16, triton.next_power_of_2(max(n_chan, 1)))))
+    block_c = _channel_block(n_chan)
     if device.type != "cuda":
         block_e = max(1, min(128, _INTERPRETER_TILE_ELEMENTS // (kp * block_c)))
         return OuterSumTiles(int(triton.next_power_of_2(block_e)), block_c, 4)
@@ -281,6 +294,15 @@ def default_tiles(device: torch.device, n_coeff: int, n_chan: int) -> OuterSumTi
         block_c //= 2
     block_e = max(_GPU_WARPS, _GPU_TILE_ELEMENTS // (kp * block_c))
     return OuterSumTiles(int(triton.next_power_of_2(block_e)), block_c, _GPU_WARPS)
+
+
+def default_bwd_tiles(device: torch.device, n_chan: int) -> OuterSumTiles:
+    """Backward tile shape for C = ``n_chan`` channels: one channel block up to 128 and the
+    edges the register budget allows (GPU), or up to 128 edges (interpreter)."""
+    block_c = _channel_block(n_chan)
+    if device.type != "cuda":
+        return OuterSumTiles(int(min(128, _INTERPRETER_TILE_ELEMENTS // block_c)), block_c, 4)
+    return OuterSumTiles(max(1, _GPU_BWD_TILE_ELEMENTS // block_c), block_c, _GPU_WARPS)
 
 
 def launch_outer_sum_fwd(
@@ -309,20 +331,25 @@ def launch_outer_sum_bwd(
     row_map: Tensor,
     dst_rowptr: Tensor,
     tiles: OuterSumTiles | None = None,
+    n_part: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Backward kernel: ``(grad_a (E, K), grad_b (E, J, C))`` contiguous; ``grad_out``
-    contiguous. ``tiles`` overrides the default launch shape."""
+    contiguous. ``tiles`` and ``n_part`` (segment parts) override the default launch shape."""
     n_edge, n_coeff = a.shape
+    n_node = dst_rowptr.shape[0] - 1
     n_rows, n_chan = b.shape[1], b.shape[2]
     grad_a = a.new_empty((n_edge, n_coeff))
     grad_b = b.new_empty((n_edge, n_rows, n_chan))
     if n_edge == 0 or n_rows * n_chan == 0:
         return grad_a.zero_(), grad_b
-    block_e, block_c, num_warps = tiles or default_tiles(a.device, n_coeff, n_chan)
-    dst = dst_of_edges(dst_rowptr, n_edge)
-    wrap_triton(_outer_sum_bwd_kernel)[(triton.cdiv(n_edge, block_e),)](
-        grad_out, a, b, row_map, dst, grad_a, grad_b,
-        n_edge, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), n_rows, n_chan,
+    block_e, block_c, num_warps = tiles or default_bwd_tiles(a.device, n_chan)
+    if n_part is None:
+        n_part = default_segment_parts(a.device, n_node, n_edge, 1)
+    if n_part < 1:
+        raise ValueError(f"so2kernels.{_OP}_bwd: n_part must be >= 1, got {n_part}")
+    wrap_triton(_outer_sum_bwd_kernel)[(n_node, n_part)](
+        grad_out, a, b, row_map, dst_rowptr, grad_a, grad_b,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), n_rows, n_chan,
         K=n_coeff, KP=_coefficient_lanes(n_coeff), BLOCK_E=block_e, BLOCK_C=block_c,
         num_warps=num_warps,
     )  # fmt: skip

@@ -14,6 +14,8 @@ from so2kernels.aggregate import (
     attention_aggregate_reference,
     dst_of_edges,
     launch_aggregate_bwd,
+    launch_aggregate_fwd,
+    segment_parts,
 )
 from tests.offline_compile import compiled_count
 
@@ -136,6 +138,52 @@ def test_backward_tiles_straddle_destinations(
     for g, w in zip(got, want, strict=True):
         assert_normwise_close(g, w, 2e-6)
     assert bool((got[1][want[1] == 0] == 0).all())
+
+
+SPLIT_COUNTS = [11, 0, 1, 2, 30, 5, 3, 0, 9]
+
+
+@pytest.mark.parametrize(("n_part", "block_e"), [(1, 1), (2, 4), (3, 1), (7, 128)])
+def test_forward_segment_parts(
+    poisoned_alloc: None,  # noqa: F811
+    n_part: int,
+    block_e: int,
+) -> None:
+    """The forward's launch shapes against float64: the GPU's one edge per step, parts longer
+    than an edge block, segments cut in ``n_part`` parts (partials summed), empty parts
+    (segments shorter than ``n_part``) and empty segments."""
+    lmax = 2
+    ops = make_operands(lmax, 32, 2, 4, SPLIT_COUNTS, 16, seed=11)
+    got = launch_aggregate_fwd(*ops, lmax, n_part=n_part, block_e=block_e)
+    want = attention_aggregate_reference(*(t.double() for t in ops[:3]), ops[3], lmax)
+    assert_normwise_close(got, want, 1e-6)
+    assert bool((got[torch.tensor(SPLIT_COUNTS) == 0] == 0).all())
+    assert torch.equal(got, launch_aggregate_fwd(*ops, lmax, n_part=n_part, block_e=block_e))
+
+
+@pytest.mark.parametrize("lmax", [1, 3])
+def test_forward_one_edge_per_step(lmax: int) -> None:
+    """The GPU's edge step (one edge) at other degrees, with a wider Wigner cache."""
+    ops = make_operands(lmax, 16, 1, 1, [3, 0, 5], (lmax + 2) ** 2, seed=12)
+    got = launch_aggregate_fwd(*ops, lmax, n_part=2, block_e=1)
+    want = attention_aggregate_reference(*(t.double() for t in ops[:3]), ops[3], lmax)
+    assert_normwise_close(got, want, 1e-6)
+
+
+def test_forward_parts_only_for_small_systems() -> None:
+    """H200 (132 SMs), bar widths (one 128-channel block, ~89 edges per node): the 192-atom step
+    cuts segments, 12,288 atoms keep the single-pass kernel; tiny segments are not cut."""
+    assert segment_parts(192, 192 * 89, 1, 132) == 11
+    assert segment_parts(12_288, 12_288 * 89, 1, 132) == 1
+    assert segment_parts(192, 192 * 4, 1, 132) == 1
+    assert segment_parts(0, 0, 1, 132) == 1
+    assert segment_parts(4, 4 * 1000, 1, 132) == 32
+
+
+def test_bad_part_count() -> None:
+    ops = make_operands(2, 32, 1, 1, [3, 2])
+    with pytest.raises(ValueError, match="n_part"):
+        launch_aggregate_fwd(*ops, 2, n_part=0)
 
 
 def test_dst_of_edges() -> None:
@@ -356,6 +404,21 @@ def test_gpu_realistic_size(lmax: int, focus_dim: int, n_focus: int, n_groups: i
         assert_normwise_close(got[edges], want, 2e-6)
     again = attention_aggregate(*leaves, ops[3], lmax)
     assert torch.equal(out, again), "the CSR reduction must be bitwise reproducible"
+
+
+@pytest.mark.gpu
+def test_gpu_small_system_cuts_segments() -> None:
+    """192 nodes × ~89 edges (the 192-atom step): the default launch cuts every segment in
+    parts; values vs float64 and bitwise repeatable."""
+    gen = torch.Generator().manual_seed(6)
+    counts = torch.randint(60, 121, (192,), generator=gen).tolist()
+    ops = make_operands(2, 128, 1, 1, counts, 16, device="cuda")
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    assert segment_parts(192, sum(counts), 1, n_sm) > 1
+    out = launch_aggregate_fwd(*ops, 2)
+    want = attention_aggregate_reference(*(t.double() for t in ops[:3]), ops[3], 2)
+    assert_normwise_close(out, want, 1e-6)
+    assert torch.equal(out, launch_aggregate_fwd(*ops, 2))
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  
 from so2kernels._dispatch import UnsupportedInputError, use_triton
 from so2kernels.outer_sum import (
     OuterSumTiles,
+    default_bwd_tiles,
     default_tiles,
     launch_outer_sum_bwd,
     launch_outer_sum_fwd,
@@ -111,8 +112,8 @@ def test_backward_closed_form_matches_autograd() -> None:
 @fused_only
 @pytest.mark.parametrize("tiles", [OuterSumTiles(1, 16, 4), OuterSumTiles(4, 32, 4)])
 def test_small_tiles_straddle_segments_and_channels(tiles: OuterSumTiles) -> None:
-    """GPU-like narrow tiles: many edge steps per node, several channel blocks, backward edge
-    tiles spanning several destinations with a partial last tile."""
+    """GPU-like narrow tiles: many edge steps per node (forward and backward), several channel
+    blocks, partial last edge tiles."""
     ops = make_operands(degree_map(2), 3, 70, [*EDGE_COUNTS, 1, 2, 1], seed=3)
     grad_out = torch.randn(len(EDGE_COUNTS) + 3, 8, 70, dtype=torch.float64)
     ref = segment_outer_sum_reference(ops[0].double(), ops[1].double(), *ops[2:])
@@ -123,6 +124,26 @@ def test_small_tiles_straddle_segments_and_channels(tiles: OuterSumTiles) -> Non
     got = launch_outer_sum_bwd(grad_out.float(), *ops, tiles=tiles)
     for g, w in zip(got, want, strict=True):
         assert_normwise_close(g, w, 2e-6)
+
+
+@fused_only
+@pytest.mark.parametrize("n_part", [2, 5])
+def test_backward_segment_parts(n_part: int) -> None:
+    """The small-system backward (each node segment cut in ``n_part`` parts, one program each)
+    against float64: parts longer than an edge tile, empty parts, empty segments, every edge
+    written once."""
+    counts = [*EDGE_COUNTS, 23, 1]
+    ops = make_operands(degree_map(2), 3, 70, counts, seed=8)
+    grad_out = torch.randn(len(counts), 8, 70, dtype=torch.float64)
+    want = segment_outer_sum_backward_reference(
+        grad_out, ops[0].double(), ops[1].double(), *ops[2:]
+    )
+    tiles = OuterSumTiles(4, 32, 4)
+    got = launch_outer_sum_bwd(grad_out.float(), *ops, tiles=tiles, n_part=n_part)
+    for g, w in zip(got, want, strict=True):
+        assert_normwise_close(g, w, 2e-6)
+    with pytest.raises(ValueError, match="n_part"):
+        launch_outer_sum_bwd(grad_out.float(), *ops, n_part=0)
 
 
 @fused_only
@@ -247,7 +268,8 @@ SM90_REGIMES = [(8, 3, 128), (15, 4, 128), (4, 1, 64), (4, 1, 128), (3, 3, 130)]
 
 
 def compile_all_for_sm90() -> int:
-    """Compile both kernels for sm_90 at their default GPU tiles; returns the count."""
+    """Compile both kernels for sm_90 at their default GPU tiles (the backward also at the
+    narrow test tiles); returns the count."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -255,48 +277,46 @@ def compile_all_for_sm90() -> int:
     from so2kernels import outer_sum
 
     cuda = torch.device("cuda")
-    index_pointers = ("map_ptr", "rowptr_ptr", "dst_ptr")
+    index_pointers = ("map_ptr", "rowptr_ptr")
     n_compiled = 0
+    launches = []
     for n_coeff, _, n_chan in SM90_REGIMES:
-        block_e, block_c, warps = default_tiles(cuda, n_coeff, n_chan)
+        fwd = (outer_sum._outer_sum_fwd_kernel, ("a", "b", "map", "rowptr", "out"))
+        bwd = (outer_sum._outer_sum_bwd_kernel, ("g", "a", "b", "map", "rowptr", "ga", "gb"))
+        launches.append((*fwd, n_coeff, n_chan, default_tiles(cuda, n_coeff, n_chan)))
+        launches.append((*bwd, n_coeff, n_chan, default_bwd_tiles(cuda, n_chan)))
+    launches.append((*bwd, 8, 70, OuterSumTiles(1, 16, 4)))
+    for fn, pointers, n_coeff, n_chan, (block_e, block_c, warps) in launches:
         consts = {
             "K": n_coeff,
             "KP": triton.next_power_of_2(n_coeff),
             "BLOCK_E": block_e,
             "BLOCK_C": block_c,
         }
-        for fn, pointers, scalars in (
-            (outer_sum._outer_sum_fwd_kernel, ("a", "b", "map", "rowptr", "out"), ()),
-            (outer_sum._outer_sum_bwd_kernel, ("g", "a", "b", "map", "dst", "ga", "gb"),
-             ("n_edge",)),
-        ):  # fmt: skip
-            signature = {f"{p}_ptr": "*fp32" for p in pointers}
-            signature.update({p: "*i64" for p in signature if p in index_pointers})
-            signature.update(dict.fromkeys(scalars, "i64"))
-            signature.update(dict.fromkeys(("a_se", "a_sk", "b_se", "b_sj", "J", "C"), "i64"))
-            signature["b_sc"] = "constexpr"
-            signature.update(dict.fromkeys(consts, "constexpr"))
-            ordered = {name: signature[name] for name in fn.arg_names}
-            # Aligned pointers, row strides and a unit channel stride, as the launcher's runtime
-            # specialisation sees them in the model: the vectorised layouts are the ones compiled.
-            aligned = [n for n in ordered if n.endswith("_ptr")]
-            if n_chan % 16 == 0:
-                aligned += ["b_se", "b_sj", "C"]
-            attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-            source = ASTSource(
-                fn=fn, signature=ordered, constexprs={**consts, "b_sc": 1}, attrs=attrs
-            )
-            compiled = triton.compile(
-                source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
-            )
-            assert compiled.asm["cubin"]
-            n_compiled += 1
+        signature = {f"{p}_ptr": "*fp32" for p in pointers}
+        signature.update({p: "*i64" for p in signature if p in index_pointers})
+        signature.update(dict.fromkeys(("a_se", "a_sk", "b_se", "b_sj", "J", "C"), "i64"))
+        signature["b_sc"] = "constexpr"
+        signature.update(dict.fromkeys(consts, "constexpr"))
+        ordered = {name: signature[name] for name in fn.arg_names}
+        # Aligned pointers, row strides and a unit channel stride, as the launcher's runtime
+        # specialisation sees them in the model: the vectorised layouts are the ones compiled.
+        aligned = [n for n in ordered if n.endswith("_ptr")]
+        if n_chan % 16 == 0:
+            aligned += ["b_se", "b_sj", "C"]
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        source = ASTSource(fn=fn, signature=ordered, constexprs={**consts, "b_sc": 1}, attrs=attrs)
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
+        )
+        assert compiled.asm["cubin"]
+        n_compiled += 1
     return n_compiled
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
-    assert compiled_count("test_outer_sum", "compile_all_for_sm90()") == 2 * len(SM90_REGIMES)
+    assert compiled_count("test_outer_sum", "compile_all_for_sm90()") == 2 * len(SM90_REGIMES) + 1
 
 
 # GPU (the lead runs these on the H200)
@@ -331,6 +351,24 @@ def test_gpu_realistic_size() -> None:
     for got, want in zip(grads, ref_grads, strict=True):
         assert_normwise_close(got[edges], want, 2e-6)
     assert torch.equal(out, segment_outer_sum(*leaves, *ops[2:]))
+
+
+@pytest.mark.gpu
+def test_gpu_small_system_backward() -> None:
+    """192 nodes × ~89 edges (the 192-atom step, segments cut in parts by default): backward vs
+    float64, bitwise repeatable."""
+    gen = torch.Generator().manual_seed(6)
+    counts = torch.randint(60, 121, (192,), generator=gen).tolist()
+    ops = make_operands(degree_map(2), 3, 128, counts, device="cuda")
+    grad_out = torch.randn(192, 8, 128, device="cuda")
+    got = launch_outer_sum_bwd(grad_out, *ops)
+    want = segment_outer_sum_backward_reference(
+        grad_out.double(), ops[0].double(), ops[1].double(), *ops[2:]
+    )
+    for g, w in zip(got, want, strict=True):
+        assert_normwise_close(g, w, 2e-6)
+    again = launch_outer_sum_bwd(grad_out, *ops)
+    assert all(torch.equal(g, h) for g, h in zip(got, again, strict=True))
 
 
 @pytest.mark.gpu

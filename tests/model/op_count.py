@@ -41,6 +41,12 @@ _VIEW_OPS = frozenset(
 )  # fmt: skip
 
 
+PHASE_LABELS = (
+    "build_graph", "place_and_build_graph", "edge_vectors", "build_edge_cache",
+    "assemble_forces_virial",
+)  # fmt: skip
+"""Labels of the step's non-model phases (graph, edge cache, force assembly)."""
+
 # Factories read no tensor data (only the metadata of their ``self`` argument).
 _FACTORY_PREFIXES = ("new_", "empty", "zeros", "ones", "full", "scalar_tensor")
 
@@ -145,7 +151,8 @@ def _labelled_functions() -> list[tuple[Any, str]]:
     rotate_mix = import_module("so2kernels.rotate_mix")
     mixing_stack = import_module("so2kernels.mixing_stack")
 
-    phases = ("build_graph", "edge_vectors", "build_edge_cache", "assemble_forces_virial")
+    # The graph phase is whichever builder the potential calls (a host one or the device one).
+    phases = [n for n in PHASE_LABELS if hasattr(potential_module, n)]
     return [
         *((potential_module, n) for n in phases),
         (rotate_mix, "rotate_mix_reference"),
@@ -232,8 +239,6 @@ def count_step_ops(
     return counter
 
 
-PHASE_LABELS = ("build_graph", "edge_vectors", "build_edge_cache", "assemble_forces_virial")
-"""Labels of the step's non-model phases (graph, edge cache, force assembly)."""
 KERNEL_OPS = ("so2_", "segment_")
 """Name prefixes of the so2kernels ops (the value path), counted apart from the model's glue."""
 
