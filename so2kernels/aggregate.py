@@ -246,6 +246,16 @@ def _wigner_entry(w_edge, edge_live, w_sr, w_sc, row, col):
 
 
 @triton.jit
+def segment_part_range(rowptr_ptr, node, part, n_part):
+    """Edges ``[first, stop)`` of part ``part`` of ``n_part`` of a node's CSR segment: edges
+    ⌊len·p/P⌋ .. ⌊len·(p+1)/P⌋, so the parts tile the segment exactly whatever its length
+    (short segments leave some parts empty)."""
+    seg_first = tl.load(rowptr_ptr + node)
+    seg_len = tl.load(rowptr_ptr + node + 1) - seg_first
+    return seg_first + seg_len * part // n_part, seg_first + seg_len * (part + 1) // n_part
+
+
+@triton.jit
 def _aggregate_fwd_kernel(
     x_ptr, w_ptr, wt_ptr, rowptr_ptr, scale_ptr, out_ptr,
     x_se, w_se, w_sr, w_sc, wt_se, wt_sg,
@@ -261,14 +271,8 @@ def _aggregate_fwd_kernel(
     x_chan = (cvec // FD) * ROW + cvec % FD
     group = cvec // GW
     cols = tl.arange(0, DP)
-    # Part p of P takes edges ⌊len·p/P⌋ .. ⌊len·(p+1)/P⌋ of the segment: the parts tile it
-    # exactly whatever its length (short segments leave some parts empty).
     part = tl.program_id(2)
-    n_part = tl.num_programs(2)
-    seg_first = tl.load(rowptr_ptr + node)
-    seg_len = tl.load(rowptr_ptr + node + 1) - seg_first
-    first = seg_first + seg_len * part // n_part
-    stop = seg_first + seg_len * (part + 1) // n_part
+    first, stop = segment_part_range(rowptr_ptr, node, part, tl.num_programs(2))
     acc = tl.zeros((DP, BLOCK_C), dtype=tl.float32)
     for k0 in range(first, stop, BLOCK_E):
         edges = k0 + tl.arange(0, BLOCK_E)

@@ -56,7 +56,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from so2kernels._dispatch import require_fp32, use_triton
-from so2kernels.aggregate import default_segment_parts, dst_of_edges
+from so2kernels.aggregate import default_segment_parts, dst_of_edges, segment_part_range
 
 __all__ = [
     "OuterSumTiles",
@@ -199,12 +199,7 @@ def _outer_sum_bwd_kernel(
     node-gradient rows ``g[n, k]`` of the coefficients mapped to it (an L1-resident (BLOCK_C,)
     vector each); ``grad_a`` collects in a (BLOCK_E, KP) tile stored once per edge block."""
     node = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    n_part = tl.num_programs(1)
-    seg_first = tl.load(rowptr_ptr + node)
-    seg_len = tl.load(rowptr_ptr + node + 1) - seg_first
-    first = seg_first + seg_len * part // n_part
-    stop = seg_first + seg_len * (part + 1) // n_part
+    first, stop = segment_part_range(rowptr_ptr, node, tl.program_id(1), tl.num_programs(1))
     slots = tl.arange(0, KP)
     g_node = g_ptr + node * (K * C)
     for e0 in range(first, stop, BLOCK_E):
