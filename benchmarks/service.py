@@ -30,11 +30,16 @@ counts, ``SO2SERVE_*`` settings) to test a suspect.
    structure as the server does): what batching reaches without HTTP.
 
 Server-side phases come with every case: the medians of each answer's
-``provenance.timings`` (read, decode, queue, compute, handoff, total) plus the mean response
+``provenance.timings`` (read, decode, admit, queue, compute, handoff, total) plus the mean response
 encoding time and, for the throughput points, the mean requests and atoms per device pass,
 pass time and queue wait, all from ``/metrics`` differences around the case. What the round
 trip leaves beyond the server's own time (``client_and_transport_ms``) is the client
-(encoding, decoding, ASE bookkeeping) and loopback HTTP.
+(encoding, decoding, ASE bookkeeping) and loopback HTTP. ``http_echo`` gives that floor: the
+same request bytes to a bare app served like the service, answered at once and after a wait
+in a device-like thread (``wake_ms``: what the server's thread hops cost after a pass-long
+sleep). ``engine_in_process.interleaved_192`` alternates engine requests with the same
+``predict`` called directly, so that the engine's own compute cost and the validation in
+flow are measured without the device's drift between phases.
 
 The default run takes about 3 minutes on an H200 with the current model step; ``--quick``
 (fewer repeats, shorter throughput windows) about half that.
@@ -247,9 +252,50 @@ async def _engine_requests(engine: Any, atoms: Atoms, repeats: int) -> dict[str,
                 {
                     "total_ms": (resumed - start) * 1e3,
                     "validate_ms": (validated - start) * 1e3,
+                    "admit_ms": (t.admitted_at - validated) * 1e3,
                     "queue_ms": t.queue_s * 1e3,
                     "compute_ms": t.compute_s * 1e3,
                     "handoff_ms": (resumed - t.finished_at) * 1e3,
+                }
+            )
+    return {name: statistics.median(r[name] for r in rows) for name in rows[0]}
+
+
+async def _interleaved_with_direct(
+    engine: Any, evaluator: Evaluator, atoms: Atoms, repeats: int
+) -> dict[str, float]:
+    """Engine requests alternating with the same predict called directly on this thread.
+
+    Both sides validate the same structure right after a pass (``validate`` in flow: caches
+    cold as a server finds them, unlike the hot loop of ``in_process.validate_ms``) and make
+    the same host copies (``to_host``), so ``paired_compute_minus_direct_ms``, the median of
+    per-pair differences, is what running the step in the engine's worker thread costs;
+    phase-to-phase drift of the device (a millisecond on the H200 between phases) cancels.
+    """
+    from service.engine.worker import to_host
+
+    names = ("energy", "forces", "energies", "virial", "stress")
+    rows: list[dict[str, float]] = []
+    for k in range(repeats + 2):
+        start = time.perf_counter()
+        structures = Structures.from_atoms([atoms])
+        validated = time.perf_counter()
+        prediction = evaluator.predict(structures, PROPERTIES)
+        to_host({name: getattr(prediction, name) for name in names})
+        predicted = time.perf_counter()
+        engine_start = time.perf_counter()
+        structures = Structures.from_atoms([atoms])
+        engine_validated = time.perf_counter()
+        result = await engine.evaluate(structures, PROPERTIES)
+        if k >= 2:
+            compute_ms = result.timings.compute_s * 1e3
+            rows.append(
+                {
+                    "direct_validate_ms": (validated - start) * 1e3,
+                    "direct_predict_ms": (predicted - validated) * 1e3,
+                    "engine_validate_ms": (engine_validated - engine_start) * 1e3,
+                    "engine_compute_ms": compute_ms,
+                    "paired_compute_minus_direct_ms": compute_ms - (predicted - validated) * 1e3,
                 }
             )
     return {name: statistics.median(r[name] for r in rows) for name in rows[0]}
@@ -305,6 +351,10 @@ def engine_phase(
                 atoms = water_atoms(n)
                 reps = repeats_for(len(atoms), repeats)
                 rows["requests_ms"][str(len(atoms))] = await _engine_requests(engine, atoms, reps)
+            if sizes:
+                rows["interleaved_192"] = await _interleaved_with_direct(
+                    engine, evaluator, water_atoms(192), repeats
+                )
             for clients in client_counts:
                 before = registry_totals(metrics.registry)
                 done, elapsed = await _engine_clients(engine, clients, duration)
@@ -443,6 +493,100 @@ def http_overhead_phase(url: str, sizes: list[int], repeats: int) -> dict[str, A
         for wire in ("json", "msgpack"):
             reps = repeats_for(len(atoms), repeats)
             rows[f"{len(atoms)}/{wire}"] = http_round_trip(url, atoms, wire, reps)
+    return rows
+
+
+ECHO_PAYLOAD_BYTES = 5_100
+"""About the msgpack answer to a 192-atom energy + forces + stress request."""
+
+
+def _serve_echo(port: int) -> None:
+    """A bare ASGI app served as ``so2serve serve`` serves (uvicorn options, event loop,
+    protocol): it reads the body, optionally holds the request in a device-like thread for
+    ``X-Delay-Ms`` (``DeviceThread``, the engine's hop there and back), and answers a fixed
+    payload, with the time really slept in ``X-Slept-Ms``."""
+    import uvicorn
+
+    from service.api import app as service_app
+    from service.api.settings import ServiceSettings
+    from service.engine.worker import DeviceThread
+
+    payload = bytes(ECHO_PAYLOAD_BYTES)
+    device: list[DeviceThread] = []
+
+    def sleep_ms(delay_s: float) -> float:
+        start = time.perf_counter()
+        time.sleep(delay_s)
+        return (time.perf_counter() - start) * 1e3
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        more = True
+        while more:
+            message = await receive()
+            more = message.get("more_body", False)
+        delay_ms = float(dict(scope["headers"]).get(b"x-delay-ms", b"0"))
+        slept_ms = 0.0
+        if delay_ms > 0:
+            if not device:
+                device.append(DeviceThread("echo-device"))
+            slept_ms = await device[0].run(functools.partial(sleep_ms, delay_ms * 1e-3))
+        headers = [
+            (b"content-type", b"application/msgpack"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"x-slept-ms", repr(slept_ms).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+    settings = ServiceSettings(port=port, log_level="warning")
+    uvicorn.run(app, **{**service_app.uvicorn_options(settings), "lifespan": "off"})
+
+
+def echo_phase(delays_ms: list[float], repeats: int) -> dict[str, Any]:
+    """The HTTP floor, and what a long wait adds to it: round trips of a 192-atom request
+    body to the bare app of ``_serve_echo`` over the calculator's connection, answered at
+    once and after a device-thread wait of each delay (the slept time subtracted).
+
+    ``wake_ms`` (a delay's round trip − the immediate one) is what waking up costs after
+    that long asleep: the client in its socket read, the server's loop in its poll, the
+    thread handoffs; on a machine whose idle cores drop into deep sleep states it grows
+    with the delay, and a real request pays it on every step.
+    """
+    port = free_port()
+    server = multiprocessing.get_context("spawn").Process(target=_serve_echo, args=(port,))
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    body = encode_request([encode_structure(water_atoms(192), True)], PROPERTIES, True)
+    rows: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 60
+        connection = KeepAliveConnection(url, 60.0, {"Accept": "application/msgpack"})
+        while True:
+            try:
+                connection.request("GET", "/")
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        for delay in [0.0, *delays_ms]:
+            headers = {"Content-Type": "application/msgpack", "X-Delay-Ms": repr(delay)}
+            times: list[float] = []
+            for k in range(repeats + 5):
+                start = time.perf_counter()
+                reply = connection.request("POST", "/evaluate", body, headers)
+                elapsed_ms = (time.perf_counter() - start) * 1e3
+                if k >= 5:
+                    times.append(elapsed_ms - float(reply.header("x-slept-ms") or 0.0))
+            rows[f"delay_{delay:g}_ms"] = statistics.median(times)
+        connection.close()
+    finally:
+        server.terminate()
+        server.join(30)
+    floor = rows["delay_0_ms"]
+    rows["wake_ms"] = {key: value - floor for key, value in rows.items() if key != "delay_0_ms"}
     return rows
 
 
@@ -772,6 +916,7 @@ def fake_model_main(args: argparse.Namespace, phases: set[str]) -> None:
                 results.put("server_profile", server_profile_phase(url, server_request))
             if "http" in phases:
                 results.put("results", fake_round_trips(url, evaluator, sizes, args.repeats))
+                results.put("http_echo", echo_phase(ECHO_DELAYS_MS, args.repeats))
         finally:
             server.terminate()
             server.join(30)
@@ -832,6 +977,9 @@ def print_fake_summary(doc: dict[str, Any]) -> None:
 PHASES = ("in_process", "engine", "profile", "http", "throughput")
 """GPU run phases in their order; ``profile`` (``--profile-server``) profiles passes of the
 engine in this process (within ``engine``) and of the server (before the ``http`` phase)."""
+
+ECHO_DELAYS_MS = [1.0, 9.0]
+"""Device-thread waits of the echo phase: a short one, and a 192-atom pass on the H200."""
 
 PROFILE_PASSES, PROFILE_SKIP = 10, 6
 """Profiled passes of sequential 192-atom requests, after this many unprofiled ones (the
@@ -1062,6 +1210,7 @@ def main() -> None:
                 results.put("server_profile", server_profile_phase(url, profile))
             if "http" in phases:
                 results.put("http_overhead", http_overhead_phase(url, args.sizes, args.repeats))
+                results.put("http_echo", echo_phase(ECHO_DELAYS_MS, args.repeats))
             if "throughput" in phases:
                 throughput = throughput_phase(
                     url, args.clients, args.duration, args.client_processes
@@ -1095,6 +1244,20 @@ def print_summary(doc: dict[str, Any]) -> None:
                 f"{key:>14} {row['round_trip_ms']:10.3f} "
                 + " ".join(f"{c:{w}.3f}" for c, w in zip(cells, (9, 8, 8, 9), strict=True))
             )
+            phases = {**row["server_ms"], "client+transport": row["client_and_transport_ms"]}
+            print(
+                " " * 16 + ", ".join(f"{k.removesuffix('_ms')} {v:.3f}" for k, v in phases.items())
+            )
+    echo = doc.get("http_echo")
+    if echo:
+        wake = ", ".join(f"{k} {v:.3f}" for k, v in echo["wake_ms"].items())
+        print(f"bare HTTP echo: {echo['delay_0_ms']:.3f} ms; added after a wait: {wake}")
+    interleaved = doc.get("engine_in_process", {}).get("interleaved_192")
+    if interleaved:
+        print(
+            "engine vs direct predict, interleaved, 192 atoms (ms, medians): "
+            + ", ".join(f"{k.removesuffix('_ms')} {v:.3f}" for k, v in interleaved.items())
+        )
     throughput = doc.get("http_throughput_192", {})
     engine_throughput = doc.get("engine_in_process", {}).get("throughput_192", {})
     if throughput or engine_throughput:

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.deps import ServiceState, request_id_from
 from service.api.errors import install_error_handlers
 from service.api.evaluate import EVALUATE_PATH, EvaluateEndpoint, openapi_operation, route_path
+from service.api.http_protocol import HeadJoiningHTTPProtocol
 from service.api.routes import api_router, health_router
 from service.api.schemas import ErrorResponse, EvaluateRequest, EvaluateResponse
 from service.api.settings import ServiceSettings
@@ -310,10 +311,11 @@ def serve(settings: ServiceSettings) -> None:
 
 def uvicorn_options(settings: ServiceSettings) -> dict[str, Any]:
     """How ``so2serve serve`` runs uvicorn: no access log (one log record per MD step), a
-    keep-alive long enough for a client that pauses between steps, and uvicorn's automatic
+    keep-alive long enough for a client that pauses between steps, uvicorn's automatic
     choice of event loop and HTTP parser, which takes uvloop and httptools (uvicorn[standard])
-    when installed; without them it falls back to asyncio and the pure-Python h11 parser,
-    about 0.1 ms slower per request, and says so in the log."""
+    when installed (without them it falls back to asyncio and the pure-Python h11 parser,
+    about 0.1 ms slower per request, and says so in the log), and that parser's protocol
+    writing each answer's head and body together (``http_protocol.py``)."""
     missing = [name for name in ("uvloop", "httptools") if importlib.util.find_spec(name) is None]
     if missing:
         log.warning(
@@ -326,4 +328,5 @@ def uvicorn_options(settings: ServiceSettings) -> dict[str, Any]:
         "access_log": False,
         "timeout_graceful_shutdown": 30,
         "timeout_keep_alive": KEEP_ALIVE_S,
+        "http": HeadJoiningHTTPProtocol,
     }

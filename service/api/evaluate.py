@@ -8,7 +8,8 @@ answers as a FastAPI route would: the same JSON errors, ``X-Request-ID``, reques
 ``app.py`` routes ``/evaluate`` here and documents it in the OpenAPI schema.
 
 Timings in each answer's ``provenance.timings`` (ms): ``read`` (receiving the body),
-``decode`` (parsing and validating it), ``queue`` (admission → first device pass),
+``decode`` (parsing and validating it), ``admit`` (the engine's admission checks and edge
+estimate), ``queue`` (admission → first device pass),
 ``compute`` (device passes that carried the request, shared with the others in them),
 ``handoff`` (last pass ended in the worker thread → this handler runs again), split into
 ``return`` (pass ended → the event loop set the result) and ``resume`` (result set → this
@@ -165,6 +166,7 @@ def _timings(
     return {
         "read_ms": (read - started) * 1e3,
         "decode_ms": (decoded - read) * 1e3,
+        "admit_ms": max(0.0, t.admitted_at - decoded) * 1e3,
         "queue_ms": t.queue_s * 1e3,
         "compute_ms": t.compute_s * 1e3,
         "handoff_ms": max(0.0, resumed - t.finished_at) * 1e3,

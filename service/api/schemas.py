@@ -146,6 +146,7 @@ class Execution(BaseModel):
 
 class Timings(BaseModel):
     decode_ms: float = Field(description="reading, parsing and validating the request")
+    admit_ms: float = Field(description="the engine's admission checks and edge estimate")
     queue_ms: float = Field(description="waiting for the first device pass")
     compute_ms: float = Field(description="device passes that carried this request (shared)")
     total_ms: float = Field(description="server time before encoding the answer")

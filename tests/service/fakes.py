@@ -30,6 +30,7 @@ from ase.build import bulk, molecule
 from ase.data import atomic_numbers
 from fastapi import FastAPI
 
+from service.api.http_protocol import HeadJoiningHTTPProtocol
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import Structures
 
@@ -195,7 +196,13 @@ def running_server(app: FastAPI, *, timeout_s: float = 30.0) -> Iterator[str]:
     """Serve ``app`` with real uvicorn on a free loopback port; yields the base URL."""
     sock = free_port_socket()
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        http=HeadJoiningHTTPProtocol,  # as uvicorn_options() serves
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -145,6 +145,7 @@ def test_results_match_the_potential_and_carry_provenance(
     assert set(provenance["timings"]) == {
         "read_ms",
         "decode_ms",
+        "admit_ms",
         "queue_ms",
         "compute_ms",
         "handoff_ms",
@@ -155,6 +156,10 @@ def test_results_match_the_potential_and_carry_provenance(
     timings = provenance["timings"]
     split = timings["return_ms"] + timings["resume_ms"]
     assert split == pytest.approx(timings["handoff_ms"], abs=1e-6)
+    # The phases cover the request from arrival to the answer in hand (only the few steps
+    # between them are left: queueing it after its admission checks, and the like).
+    phases = ("read_ms", "decode_ms", "admit_ms", "queue_ms", "compute_ms", "handoff_ms")
+    assert sum(timings[k] for k in phases) <= timings["total_ms"] + 1e-6
     energy_only = client.post("/evaluate", json=request_document(atoms, ["energy"])).json()
     assert set(energy_only["results"][0]) == {"n_atoms", "energy"}
 
