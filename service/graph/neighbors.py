@@ -20,8 +20,8 @@ count Σ n_b²·K_b stays within :data:`DIRECT_MAX_CANDIDATES`, torch beyond. No
 the number of neighbours.
 
 :func:`place_and_build_graph` is the request path: a batch validated on the host goes to the
-device in one packed copy (with the direct search's per-structure table), and its graph is
-built there.
+device in one packed copy (with the direct search's per-structure table, and with whatever else
+the caller needs there: :func:`place_and_build_graph_carrying`), and its graph is built there.
 """
 
 from __future__ import annotations
@@ -162,15 +162,37 @@ def place_and_build_graph(
     transfers as possible: a host batch bound for an accelerator travels in one packed,
     non-blocking copy together with the direct search's table (or, for vesin, with its graph),
     so the direct search's edge count is the only host read."""
+    placed, graph, _ = place_and_build_graph_carrying(
+        structures, rcut, device, (), backend=backend, min_distance=min_distance,
+        candidate_budget=candidate_budget,
+    )  # fmt: skip
+    return placed, graph
+
+
+def place_and_build_graph_carrying(
+    structures: Structures,
+    rcut: float,
+    device: torch.device | str,
+    carry: Sequence[Tensor],
+    *,
+    backend: Backend = "auto",
+    min_distance: float = COINCIDENT_DISTANCE,
+    candidate_budget: int = 2**25,
+) -> tuple[Structures, Graph, list[Tensor]]:
+    """:func:`place_and_build_graph`, with ``carry`` (tensors on the structures' device, e.g.
+    the atom types the host already looked up) placed on ``device`` in the same packed copy:
+    after the search's host read the caller then launches nothing to prepare them."""
     _check_cutoff(rcut)
     device = torch.device(device)
     if structures.device.type != "cpu" or device.type == "cpu":
         placed = structures.to(device)
+        carried = [t.to(device) for t in carry]
         graph = build_graph(
             placed, rcut, backend=backend, min_distance=min_distance,
             candidate_budget=candidate_budget,
         )  # fmt: skip
-        return placed, graph
+        return placed, graph, carried
+    host = [*_structure_tensors(structures), *carry]
     windows = None
     if _may_search_directly(device, backend):
         windows = _image_windows(
@@ -179,23 +201,24 @@ def place_and_build_graph(
     search = resolve_backend(device, backend, windows)
     if search == "direct":
         assert windows is not None
-        *moved, table = transfer_packed(
-            [*_structure_tensors(structures), torch.from_numpy(windows.table)], device
-        )
-        placed = Structures(*moved)
+        *moved, table = transfer_packed([*host, torch.from_numpy(windows.table)], device)
+        placed, carried = _split_placed(moved)
         graph = _direct_graph(placed, table, windows, rcut, min_distance, candidate_budget)
-        return placed, graph
+        return placed, graph, carried
     if search == "vesin":
         pairs = _vesin_pairs(structures, rcut, min_distance)
         if pairs is not None:
             graph = graph_from_pairs(structures, pairs)
-            moved = transfer_packed(
-                [*_structure_tensors(structures), *_graph_tensors(graph)], device
-            )
-            placed = Structures(*moved[:_N_STRUCTURE_TENSORS])
-            return placed, _graph_with_tensors(graph, moved[_N_STRUCTURE_TENSORS:])
-    placed = Structures(*transfer_packed(_structure_tensors(structures), device))
-    return placed, _cell_list_graph(placed, rcut, min_distance, candidate_budget)
+            moved = transfer_packed([*host, *_graph_tensors(graph)], device)
+            placed, carried = _split_placed(moved[: len(host)])
+            return placed, _graph_with_tensors(graph, moved[len(host) :]), carried
+    placed, carried = _split_placed(transfer_packed(host, device))
+    return placed, _cell_list_graph(placed, rcut, min_distance, candidate_budget), carried
+
+
+def _split_placed(moved: Sequence[Tensor]) -> tuple[Structures, list[Tensor]]:
+    """Moved ``[*structure tensors, *carried]`` back into a batch and the carried list."""
+    return Structures(*moved[:_N_STRUCTURE_TENSORS]), list(moved[_N_STRUCTURE_TENSORS:])
 
 
 def resolve_backend(
@@ -279,7 +302,7 @@ def _direct_graph(
         dst_rowptr=found.dst_rowptr,
         src_order=stable_argsort(found.src),
         src_rowptr=found.src_rowptr,
-        edge_ptr=found.dst_rowptr.index_select(0, structures.ptr),
+        edge_ptr=found.edge_ptr,
         n_atoms=structures.n_atoms,
         n_structures=structures.n_structures,
     )
@@ -317,10 +340,11 @@ _TRANSFER_ALIGNMENT = 16
 def transfer_packed(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
     """Host tensors (detached) on ``device`` after one non-blocking copy: their bytes are packed
     into one buffer and the device buffer is sliced and re-viewed. Pieces start 16-byte aligned,
-    so every dtype views back in place and Triton still sees aligned pointers. Each small
-    pageable copy costs ~10 µs of driver time whatever its size, and a blocking one waits for the
-    device; a pageable source is staged by the driver before the call returns, so it may be
-    freed at once."""
+    so every dtype views back in place and Triton still sees aligned pointers. Each small copy
+    costs ~10 µs of driver time whatever its size, and a blocking one waits for the device.
+    For CUDA the bytes are packed straight into page-locked memory from torch's caching host
+    allocator, so the copy is a true asynchronous DMA (no driver staging) and the allocator
+    keeps the block until the copy recorded on the stream has finished."""
     pieces: list[Tensor] = []
     spans: list[tuple[int, int]] = []
     offset = 0
@@ -332,7 +356,12 @@ def transfer_packed(tensors: Sequence[Tensor], device: torch.device) -> list[Ten
             pieces.append(raw.new_zeros(pad))
         spans.append((offset, raw.numel()))
         offset += raw.numel() + pad
-    buffer = torch.cat(pieces).to(device, non_blocking=True)
+    if device.type == "cuda":
+        staging = torch.empty(offset, dtype=torch.uint8, pin_memory=True)
+        torch.cat(pieces, out=staging)
+    else:
+        staging = torch.cat(pieces)
+    buffer = staging.to(device, non_blocking=True)
     return [
         buffer[start : start + size].view(t.dtype).view(t.shape)
         for t, (start, size) in zip(tensors, spans, strict=True)

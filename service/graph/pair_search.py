@@ -19,11 +19,15 @@ no sort is needed for the destination side.
 
 Passes (one program per destination atom, candidates ``BLOCK`` at a time):
 
-1. count the accepted candidates of each destination and flag any closer than ``min_distance``
-   (an atom paired with itself at ``S = 0`` excluded); a cumulative sum of the counts is the
-   destination CSR, and one host read fetches the edge count and the flag together;
+1. count the accepted candidates of each destination and of each source, and flag any closer
+   than ``min_distance`` (an atom paired with itself at ``S = 0`` excluded); cumulative sums of
+   the counts are both CSRs' offsets, and one host read fetches the edge count and the flag
+   together;
 2. walk the same candidates in the same order and write ``src``, ``dst``, ``S`` and the edge's
-   structure at ``dst_rowptr[i]`` plus a running count, counting sources for the source CSR.
+   structure at ``dst_rowptr[i]`` plus a running count.
+
+Everything but the second pass is launched before the host read: after it the device idles
+until the host has launched what is left, which is on the wall-clock path of every request.
 
 ``r`` is evaluated like :func:`~service.graph.neighbors.edge_vectors`: ``S·cell`` as the
 row-times-matrix sum ``(S_0·c_0 + S_1·c_1) + S_2·c_2``, then ``(x_j + S·cell) − x_i``, and
@@ -172,7 +176,7 @@ def _direct_pairs_kernel(
     dst_out,  # (E,) int64, pass 2
     shift_out,  # (E, 3) int64, pass 2
     batch_out,  # (E,) int64, pass 2
-    src_rowptr,  # (N+1,) int64, pass 2 adds one at j+1 per edge with source j
+    src_rowptr,  # (N+1,) int64, pass 1 adds one at j+1 per edge with source j
     n_atoms,
     TABLE_ROW: tl.constexpr,
     ROWS: tl.constexpr,
@@ -278,10 +282,10 @@ def _direct_pairs_kernel(
             tl.store(shift_out + 3 * edge, s0, mask=keep)
             tl.store(shift_out + 3 * edge + 1, s1, mask=keep)
             tl.store(shift_out + 3 * edge + 2, s2, mask=keep)
-            tl.atomic_add(src_rowptr + j + 1, tl.full((ROWS, BLOCK), 1, tl.int64), mask=keep)
         else:
             near = (candidate & (dist2 < min2)).to(tl.int64)
             close = tl.maximum(close, tl.max(near, 1))
+            tl.atomic_add(src_rowptr + j + 1, tl.full((ROWS, BLOCK), 1, tl.int64), mask=keep)
         accepted += tl.sum(keep_count, 1).to(tl.int64)
     if not WRITE:
         tl.store(rowptr + atom + 1, accepted, mask=row_ok)
@@ -296,7 +300,8 @@ class DirectPairs:
     """Canonically ordered edges of a batch with both CSR offsets (all int64, on the device).
 
     ``dst``, ``src``, ``edge_batch`` (E,), ``shifts`` (E, 3), ``dst_rowptr`` and ``src_rowptr``
-    (N+1,); ``src_rowptr`` counts edges per source (its order is left to the caller).
+    (N+1,); ``src_rowptr`` counts edges per source (its order is left to the caller);
+    ``edge_ptr`` (B+1,) the first edge of every structure.
     """
 
     dst: Tensor
@@ -305,6 +310,7 @@ class DirectPairs:
     edge_batch: Tensor
     dst_rowptr: Tensor
     src_rowptr: Tensor
+    edge_ptr: Tensor
 
 
 def direct_pairs(
@@ -323,7 +329,8 @@ def direct_pairs(
         single_image: :attr:`ImageWindows.single_image` (compiles the window decoding out).
         tiles: launch shape; :data:`GPU_TILES` on CUDA, :data:`INTERPRETER_TILES` on the CPU.
 
-    Synchronises once (edge count and coincidence flag in one read).
+    Synchronises once (edge count and coincidence flag in one read), after launching all that
+    does not need the edge count (both CSRs, the structures' edge offsets).
     """
     n_atoms = positions.shape[0]
     device = positions.device
@@ -347,6 +354,8 @@ def direct_pairs(
         launch((empty, empty, empty.view(0, 3), empty), write=False)
     dst_rowptr = rowptr[: n_atoms + 1]
     dst_rowptr[1:].cumsum_(0)
+    src_rowptr[1:].cumsum_(0)
+    edge_ptr = dst_rowptr.index_select(0, ptr)
     n_edges, close = rowptr[n_atoms:].tolist()
     if close:
         return None
@@ -356,5 +365,4 @@ def direct_pairs(
     edge_batch = torch.empty_like(src)
     if n_edges > 0:
         launch((src, dst, shifts, edge_batch), write=True)
-    src_rowptr[1:].cumsum_(0)
-    return DirectPairs(dst, src, shifts, edge_batch, dst_rowptr, src_rowptr)
+    return DirectPairs(dst, src, shifts, edge_batch, dst_rowptr, src_rowptr, edge_ptr)

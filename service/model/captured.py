@@ -18,20 +18,39 @@ the rounding of shape-dependent GEMM blocking (~1e-7 relative).
 Padded edges are spread over the dummy atoms (about ``E/N`` each) so no segment is pathologically
 long.
 
+Host work before a replay. Everything between the neighbour search's one host read and the
+graph launch is wall time (the device idles until the replay starts), so a replay costs: one
+Triton launch that writes the padded batch straight into the recorded graph's static input
+buffers (:func:`pad_into`, bit-identical to :func:`pad_inputs`, the eager reference used when a
+bucket is first recorded), the replay, and one copy of the step's outputs, which the recorded
+graph packs into one buffer. Parameter changes are detected from a cached tensor list (walking
+the module tree costs hundreds of µs a call); replacing a parameter or buffer object anywhere
+bumps a registration epoch that rebuilds that list.
+
 The recorded graph reads the model's parameters by address: any change to a parameter (in-place
 update, ``load_state_dict``) bumps its version and drops every captured graph. Each graph owns a
 private memory pool (sharing one pool across captures tripped an allocator assert in torch 2.11);
 together they are bounded by :data:`MEMORY_FRACTION` of the device.
 """
 
+# Triton kernels take untyped pointer/constexpr arguments and @triton.jit is an untyped decorator.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor, nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from service.graph.neighbors import Graph
 
@@ -151,27 +170,203 @@ def pad_inputs(inputs: StepInputs, shape: StepShape, rcut: float) -> StepInputs:
     )
 
 
+# Triton kernel: the padded batch written into a recorded graph's static inputs in one launch.
+# Program k covers flat indices k·BLOCK ..; each index is at once an edge, an atom, a CSR row, a
+# structure offset and a cell entry, and writes whichever of those arrays it falls in (the
+# edge range is by far the longest, so the others cost only masked lanes). The sizes change from
+# step to step (an MD step's edge count): unspecialised, so no value compiles a new variant.
+
+_PAD_SIZES = (
+    "n_atoms", "n_edges", "n_structures", "padded_atoms", "padded_edges", "padded_structures",
+)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_PAD_SIZES)
+def _pad_into_kernel(
+    src, dst, shifts, edge_batch, src_order, dst_rowptr, src_rowptr, edge_ptr,
+    atom_batch, positions, cells, types,
+    out_src, out_dst, out_shifts, out_edge_batch, out_src_order, out_dst_rowptr,
+    out_src_rowptr, out_edge_ptr, out_atom_batch, out_positions, out_cells, out_types,
+    dummy_cell_diagonal,  # (1,) cells' dtype: rcut/2
+    n_atoms, n_edges, n_structures, padded_atoms, padded_edges, padded_structures,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    n_dummy = padded_atoms - n_atoms  # >= 1 by StepShape.padded
+    n_fill = padded_edges - n_edges
+    dummy = padded_structures - 1
+
+    # Edges (E_pad): padded edge e + f joins dummy atom n + f·n_dummy // n_fill to its image.
+    on_edge = k < padded_edges
+    real = k < n_edges
+    fill_atom = n_atoms + (k - n_edges) * n_dummy // tl.maximum(n_fill, 1)
+    value = tl.load(src + k, mask=real, other=0)
+    tl.store(out_src + k, tl.where(real, value, fill_atom), mask=on_edge)
+    value = tl.load(dst + k, mask=real, other=0)
+    tl.store(out_dst + k, tl.where(real, value, fill_atom), mask=on_edge)
+    value = tl.load(edge_batch + k, mask=real, other=0)
+    tl.store(out_edge_batch + k, tl.where(real, value, dummy), mask=on_edge)
+    value = tl.load(src_order + k, mask=real, other=0)
+    tl.store(out_src_order + k, tl.where(real, value, k), mask=on_edge)
+    value = tl.load(shifts + 3 * k, mask=real, other=0)
+    tl.store(out_shifts + 3 * k, tl.where(real, value, 1), mask=on_edge)
+    value = tl.load(shifts + 3 * k + 1, mask=real, other=0)
+    tl.store(out_shifts + 3 * k + 1, tl.where(real, value, 0), mask=on_edge)
+    value = tl.load(shifts + 3 * k + 2, mask=real, other=0)
+    tl.store(out_shifts + 3 * k + 2, tl.where(real, value, 0), mask=on_edge)
+
+    # Atoms (N_pad): dummies sit at the origin of the last structure with type 0.
+    on_atom = k < padded_atoms
+    real = k < n_atoms
+    value = tl.load(atom_batch + k, mask=real, other=0)
+    tl.store(out_atom_batch + k, tl.where(real, value, dummy), mask=on_atom)
+    value = tl.load(types + k, mask=real, other=0)
+    tl.store(out_types + k, tl.where(real, value, 0), mask=on_atom)
+    for axis in tl.static_range(3):
+        coordinate = tl.load(positions + 3 * k + axis, mask=real, other=0.0)
+        tl.store(out_positions + 3 * k + axis, coordinate, mask=on_atom)
+
+    # CSR rows (N_pad+1): dummy atom j >= 1 starts at edge e + ceil(j·n_fill / n_dummy), for
+    # destinations and sources alike (a padded edge's source is its destination).
+    on_row = k <= padded_atoms
+    real = k <= n_atoms
+    tail = n_edges + ((k - n_atoms) * n_fill + n_dummy - 1) // n_dummy
+    value = tl.load(dst_rowptr + k, mask=real, other=0)
+    tl.store(out_dst_rowptr + k, tl.where(real, value, tail), mask=on_row)
+    value = tl.load(src_rowptr + k, mask=real, other=0)
+    tl.store(out_src_rowptr + k, tl.where(real, value, tail), mask=on_row)
+
+    # Structure offsets (B_pad+1): the empty padding structures, then the dummy one at the end.
+    on_offset = k <= padded_structures
+    real = k <= n_structures
+    value = tl.load(edge_ptr + k, mask=real, other=0)
+    padded = tl.where(k < padded_structures, n_edges, padded_edges)
+    tl.store(out_edge_ptr + k, tl.where(real, value, padded), mask=on_offset)
+
+    # Cells (B_pad·9): padding structures get rcut/2 times the identity (flat 0, 4, 8).
+    on_cell = k < 9 * padded_structures
+    real = k < 9 * n_structures
+    entry = tl.load(cells + k, mask=real, other=0.0)
+    diagonal = tl.load(dummy_cell_diagonal)
+    filler = tl.where((k % 9) % 4 == 0, diagonal, tl.zeros_like(entry))
+    tl.store(out_cells + k, tl.where(real, entry, filler), mask=on_cell)
+
+
+# Launcher
+
+_PAD_BLOCK = 1024
+
+
+def pad_into(static: StepInputs, inputs: StepInputs, dummy_cell_diagonal: Tensor) -> None:
+    """Write ``inputs`` padded to ``static``'s shape into ``static``'s tensors, in place and in
+    one launch: the same values as :func:`pad_inputs` (``static`` must hold a padding of the
+    same bucket: int64 graph, contiguous tensors, on the device that runs Triton).
+
+    Args:
+        static: padded inputs of shape ``(N_pad, E_pad, B_pad)`` (a recorded graph's buffers).
+        inputs: the unpadded batch on ``static``'s device; N < N_pad, E <= E_pad, B < B_pad.
+        dummy_cell_diagonal: (1,) ``rcut/2`` in the cells' dtype (a float argument would be
+            rounded to fp32 by Triton).
+    """
+    g, p = inputs.graph, static.graph
+    n, e, b = g.n_atoms, g.n_edges, g.n_structures
+    if not (n < p.n_atoms and e <= p.n_edges and b < p.n_structures):
+        raise ValueError(
+            f"a batch of {n} atoms, {e} edges and {b} structures does not fit the padded shape "
+            f"({p.n_atoms}, {p.n_edges}, {p.n_structures})"
+        )
+    sources = (
+        g.src, g.dst, g.shifts, g.edge_batch, g.src_order, g.dst_rowptr, g.src_rowptr,
+        g.edge_ptr, g.atom_batch, inputs.positions, inputs.cells, inputs.types,
+    )  # fmt: skip
+    targets = (
+        p.src, p.dst, p.shifts, p.edge_batch, p.src_order, p.dst_rowptr, p.src_rowptr,
+        p.edge_ptr, p.atom_batch, static.positions, static.cells, static.types,
+    )  # fmt: skip
+    longest = max(p.n_edges, p.n_atoms + 1, 9 * p.n_structures)
+    _pad_into_kernel[(triton.cdiv(longest, _PAD_BLOCK),)](
+        *(t.contiguous() for t in sources), *targets, dummy_cell_diagonal,
+        n, e, b, p.n_atoms, p.n_edges, p.n_structures, BLOCK=_PAD_BLOCK,
+    )  # fmt: skip
+
+
+# Outputs: the recorded step packs its outputs into one buffer, so a replay returns them with
+# one copy instead of one per output.
+
+
+@dataclass(frozen=True)
+class _PackedOutputs:
+    """The step's outputs flattened into one float64 buffer (energy, atom_energy, forces,
+    virial), with each output's padded shape and dtype to view it back."""
+
+    buffer: Tensor
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @classmethod
+    def pack(cls, outputs: StepOutputs) -> _PackedOutputs:
+        parts = (outputs.energy, outputs.atom_energy, outputs.forces, outputs.virial)
+        return cls(
+            buffer=torch.cat([t.detach().reshape(-1).double() for t in parts]),
+            shapes=tuple(tuple(t.shape) for t in parts),
+            dtypes=tuple(t.dtype for t in parts),
+        )
+
+    def unpack(self, n_atoms: int, n_structures: int) -> StepOutputs:
+        """The real rows of a copy of the buffer (views of that copy, in their own dtypes)."""
+        copy = self.buffer.clone()
+        parts, start = [], 0
+        for shape, dtype, rows in zip(
+            self.shapes, self.dtypes, (n_structures, n_atoms, n_atoms, n_structures), strict=True
+        ):
+            row_size = 1
+            for extent in shape[1:]:
+                row_size *= extent
+            part = copy[start : start + rows * row_size].view(rows, *shape[1:])
+            parts.append(part if dtype == torch.float64 else part.to(dtype))
+            start += shape[0] * row_size
+        return StepOutputs(*parts)
+
+
 @dataclass
 class _Recorded:
     graph: torch.cuda.CUDAGraph
     inputs: StepInputs
-    outputs: StepOutputs
+    outputs: _PackedOutputs
+    dummy_cell_diagonal: Tensor
     pool_bytes: int
 
 
-def _copy_into(static: StepInputs, fresh: StepInputs) -> None:
-    for spec in fields(Graph):
-        target = getattr(static.graph, spec.name)
-        if isinstance(target, Tensor):
-            target.copy_(getattr(fresh.graph, spec.name), non_blocking=True)
-    static.positions.copy_(fresh.positions, non_blocking=True)
-    static.cells.copy_(fresh.cells, non_blocking=True)
-    static.types.copy_(fresh.types, non_blocking=True)
+# Weight versions. A recorded graph reads parameters by address; an in-place update bumps a
+# tensor's version, a new tensor object (assignment, ``load_state_dict(assign=True)``) is seen
+# through the registration hooks, which count every registration in the process.
+
+_registrations = 0
 
 
-def _weights_key(model: nn.Module) -> tuple[tuple[int, int], ...]:
-    tensors = [*model.parameters(), *model.buffers()]
-    return tuple((t.data_ptr(), t._version) for t in tensors)
+def _count_registration(*_: Any) -> None:
+    global _registrations
+    _registrations += 1
+
+
+register_module_parameter_registration_hook(_count_registration)
+register_module_buffer_registration_hook(_count_registration)
+register_module_module_registration_hook(_count_registration)
+
+
+class _WeightVersions:
+    """``key()`` changes whenever a parameter or buffer of ``model`` may have changed."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+        self._epoch = -1
+        self._tensors: list[Tensor] = []
+
+    def key(self) -> tuple[tuple[int, int], ...]:
+        if self._epoch != _registrations:
+            self._epoch = _registrations
+            self._tensors = [*self._model.parameters(), *self._model.buffers()]
+        return tuple((t.data_ptr(), t._version) for t in self._tensors)
 
 
 class CapturedSteps:
@@ -184,7 +379,8 @@ class CapturedSteps:
         self._device = device
         self._graphs: OrderedDict[StepShape, _Recorded] = OrderedDict()
         self._hits: Counter[StepShape] = Counter()
-        self._weights = _weights_key(model)
+        self._versions = _WeightVersions(model)
+        self._weights = self._versions.key()
         self._memory_budget = int(
             MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
         )
@@ -201,7 +397,7 @@ class CapturedSteps:
         from the bucket's graph; ``None`` while the bucket is not yet worth recording (the
         caller then evaluates eagerly)."""
         g = inputs.graph
-        key = _weights_key(self._model)
+        key = self._versions.key()
         if key != self._weights:
             self._graphs.clear()
             self._weights = key
@@ -213,9 +409,10 @@ class CapturedSteps:
             self._hits[shape] += 1
             if self._hits[shape] < RECORD_AFTER:
                 return None
-        padded = pad_inputs(inputs, shape, self._rcut)
+        if inputs.positions.device.type == "cpu":
+            inputs = inputs.to(self._device)
         if recorded is None:
-            recorded = self._record(padded.to(self._device))
+            recorded = self._record(pad_inputs(inputs, shape, self._rcut))
             self._graphs[shape] = recorded
             while len(self._graphs) > 1 and (
                 len(self._graphs) > MAX_GRAPHS
@@ -224,16 +421,12 @@ class CapturedSteps:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(shape)
-            _copy_into(recorded.inputs, padded)
+        # Also right after recording, where the buffers already hold these values: the kernel
+        # then compiles during the (slow anyway) recording call, not on the first replay.
+        pad_into(recorded.inputs, inputs, recorded.dummy_cell_diagonal)
         recorded.graph.replay()
-        out = recorded.outputs
-        # Clones: the next replay overwrites the static outputs.
-        return StepOutputs(
-            energy=out.energy[: g.n_structures].clone(),
-            atom_energy=out.atom_energy[: g.n_atoms].clone(),
-            forces=out.forces[: g.n_atoms].clone(),
-            virial=out.virial[: g.n_structures].clone(),
-        )
+        # A copy: the next replay overwrites the static outputs.
+        return recorded.outputs.unpack(g.n_atoms, g.n_structures)
 
     def clear(self) -> None:
         """Drop every recorded graph and its memory (e.g. before retrying after an OOM)."""
@@ -250,6 +443,7 @@ class CapturedSteps:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the service's other threads (HTTP, metrics) may touch CUDA meanwhile.
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = self._step(static)
+            outputs = _PackedOutputs.pack(self._step(static))
         pool_bytes = torch.cuda.memory_reserved(self._device) - before
-        return _Recorded(graph, static, outputs, pool_bytes=max(pool_bytes, 0))
+        diagonal = torch.full((1,), 0.5 * self._rcut, dtype=static.cells.dtype, device=self._device)
+        return _Recorded(graph, static, outputs, diagonal, pool_bytes=max(pool_bytes, 0))

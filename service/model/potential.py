@@ -6,10 +6,10 @@
     → E per structure (float64) → one autograd.grad(E, edge_vec) → forces, virial (CSR sums)
     → stress = −sym(W)/V
 
-A host batch goes to the device in one packed copy and its neighbour list is built there
-(:func:`~service.graph.neighbors.place_and_build_graph`: the direct Triton search for small and
-medium batches, one host read for the edge count). Small batches on CUDA (below
-``CAPTURE_MAX_ATOMS``) then replay a CUDA graph of everything after it
+A host batch goes to the device in one packed copy, its atom types riding along, and its
+neighbour list is built there (:func:`~service.graph.neighbors.place_and_build_graph_carrying`:
+the direct Triton search for small and medium batches, one host read for the edge count). Small
+batches on CUDA (below ``CAPTURE_MAX_ATOMS``) then replay a CUDA graph of everything after it
 (:mod:`service.model.captured`, padded on the device): one launch instead of ~1,400.
 ``capture=False`` turns that off (training always runs eagerly).
 
@@ -39,7 +39,7 @@ from torch.profiler import record_function
 from service.graph.assembly import assemble_forces_virial, stress_from_virial
 from service.graph.edge_cache import build_edge_cache
 from service.graph.errors import InvalidStructureError
-from service.graph.neighbors import edge_vectors, place_and_build_graph
+from service.graph.neighbors import edge_vectors, place_and_build_graph_carrying
 from service.graph.structures import Structures
 from service.model.captured import CapturedSteps, StepInputs, StepOutputs
 from service.model.config import ModelConfig
@@ -253,7 +253,12 @@ class Potential:
         """Type index of every atom, on the structures' device; unknown elements raise
         ``InvalidStructureError``. Runs where the atomic numbers live (the host for requests),
         so the check costs no device sync."""
-        table = self._types_of_number.to(structures.numbers.device)
+        on_device = structures.numbers.device == self.device
+        table = (
+            self._device_types_of_number
+            if on_device
+            else self._types_of_number.to(structures.numbers.device)
+        )
         types = table[structures.numbers.clamp(0, 118)]
         unknown = types < 0
         if bool(unknown.any()):
@@ -288,14 +293,17 @@ class Potential:
                 f"{self.execution.precision!r}: the stack's double backward has no fast tier"
             )
         cfg = self.config
-        self.atom_types(structures)  # unknown elements fail here, where the numbers live
+        types = self.atom_types(structures)  # unknown elements fail here, where the numbers live
         want_grad = bool({"forces", "virial", "stress"} & set(properties))
         captured = self._captured if want_grad and not create_graph else None
         if captured is not None and not captured.accepts(structures.n_atoms, 0):
             captured = None
         with record_function("so2serve::graph"):
-            structures, graph = place_and_build_graph(structures, cfg.rcut, self.device)
-        types = self._device_types_of_number[structures.numbers]
+            # The types ride in the batch's packed copy: nothing is left to launch between the
+            # search's host read and the step.
+            structures, graph, (types,) = place_and_build_graph_carrying(
+                structures, cfg.rcut, self.device, [types]
+            )
         inputs = StepInputs(graph, structures.positions, structures.cells, types)
         edge_chunk = edge_chunk_for(
             self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph

@@ -10,16 +10,20 @@ import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from service.graph import pair_search
 from service.graph.errors import InvalidStructureError
 from service.graph.neighbors import (
     Graph,
     build_graph,
     place_and_build_graph,
+    place_and_build_graph_carrying,
     resolve_backend,
     transfer_packed,
 )
@@ -194,7 +198,8 @@ def test_gpu_tiles_and_multi_step_walks_agree() -> None:
     assert first is not None
     for other in results[1:]:
         assert other is not None
-        for name in ("dst", "src", "shifts", "edge_batch", "dst_rowptr", "src_rowptr"):
+        compared = ("dst", "src", "shifts", "edge_batch", "dst_rowptr", "src_rowptr", "edge_ptr")
+        for name in compared:
             assert torch.equal(getattr(first, name), getattr(other, name)), name
 
 
@@ -241,6 +246,68 @@ def test_place_and_build_graph_on_the_host_device() -> None:
     placed, graph = place_and_build_graph(host, RCUT, "cpu")
     assert placed.positions is host.positions
     assert_same_graph(graph, build_graph(host, RCUT, backend="vesin"))
+
+
+def test_carried_tensors_come_back_unchanged() -> None:
+    host = Structures.from_arrays([item for _, item in GEOMETRIES[:3]])
+    types = torch.arange(host.n_atoms) % 3
+    _, graph, (carried,) = place_and_build_graph_carrying(host, RCUT, "cpu", [types])
+    assert torch.equal(carried, types)
+    assert_same_graph(graph, place_and_build_graph(host, RCUT, "cpu")[1])
+
+
+class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Names of the aten ops dispatched, ``"<host read>"`` where a tensor was read back and
+    ``"<pass>"`` for each launch of the search kernel (whose own workings are not logged: the
+    interpreter runs a kernel with aten ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func._schema.name.removeprefix("aten::"))
+        return func(*args, **(kwargs or {}))
+
+    def read(self, tensor: torch.Tensor) -> Any:
+        self.names.append("<host read>")
+        return tensor.numpy().tolist()
+
+    def kernel(self, kernel: Any) -> Any:
+        log = self
+
+        class Logged:
+            def __getitem__(self, grid: Any) -> Any:
+                def launch(*args: Any, **kwargs: Any) -> None:
+                    log.names.append("<pass>")
+                    with _disable_current_modes():
+                        kernel[grid](*args, **kwargs)
+
+                return launch
+
+        return Logged()
+
+
+def test_only_the_second_pass_follows_the_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device idles from the edge-count read until the host has launched what follows it
+    (the request waits), so only the edge arrays' allocations and the second pass are left
+    there: both CSRs and the structures' edge offsets are launched before the read."""
+    batch = Structures.from_arrays([item for _, item in GEOMETRIES[:3]])
+    windows = windows_of(batch)
+    args = (batch.positions, batch.cells, batch.ptr, batch.atom_batch)
+    table = torch.from_numpy(windows.table)
+    log = _OpLog()
+    monkeypatch.setattr(
+        pair_search, "_direct_pairs_kernel", log.kernel(pair_search._direct_pairs_kernel)
+    )
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: log.read(tensor))
+    with log:
+        found = direct_pairs(*args, table, single_image=windows.single_image)
+    assert found is not None
+    after = log.names[log.names.index("<host read>") + 1 :]
+    assert [n for n in after if not n.startswith(("slice", "view", "detach"))] == [
+        "empty", "empty_like", "empty", "empty_like", "<pass>",
+    ]  # fmt: skip
 
 
 def test_transfer_packed_round_trip() -> None:
@@ -337,8 +404,10 @@ def test_cuda_direct_equals_cell_list(which: str) -> None:
     direct = build_graph(device, 6.0, backend="direct")
     assert direct.src.is_cuda
     assert_same_graph(direct, build_graph(device, 6.0, backend="torch"))
-    placed, auto = place_and_build_graph(host, 6.0, "cuda")
+    numbers = host.numbers.clone()
+    placed, auto, (carried,) = place_and_build_graph_carrying(host, 6.0, "cuda", [numbers])
     assert placed.positions.is_cuda and torch.equal(placed.positions.cpu(), host.positions)
+    assert carried.is_cuda and torch.equal(carried.cpu(), numbers)
     assert_same_graph(auto, direct)
 
 

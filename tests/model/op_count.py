@@ -42,8 +42,8 @@ _VIEW_OPS = frozenset(
 
 
 PHASE_LABELS = (
-    "build_graph", "place_and_build_graph", "edge_vectors", "build_edge_cache",
-    "assemble_forces_virial",
+    "build_graph", "place_and_build_graph", "place_and_build_graph_carrying", "edge_vectors",
+    "build_edge_cache", "assemble_forces_virial",
 )  # fmt: skip
 """Labels of the step's non-model phases (graph, edge cache, force assembly)."""
 
