@@ -108,6 +108,7 @@ class EvaluationTimings:
     passes: int
     finished_at: float = 0.0  # perf_counter() when its last pass ended (in the worker thread)
     delivered_at: float = 0.0  # perf_counter() when the event loop set its result
+    admitted_at: float = 0.0  # perf_counter() when admission queued it (checks done)
 
 
 @dataclass(frozen=True)
@@ -752,5 +753,6 @@ class Engine:
                 passes=job.passes,
                 finished_at=job.finished_at,
                 delivered_at=job.delivered_at,
+                admitted_at=job.admitted_at,
             ),
         )
