@@ -234,14 +234,11 @@ def _backward_weights(
 ) -> tuple[tuple[Tensor, Tensor], ...]:
     """Weights as the backward kernels read them, in the tier's operand form: the transposed
     block weights (w0ᵀ, w1ᵀ), the gate projections and their transposes."""
-    return tuple(
-        weight_operands(w, precision)
-        for w in (
-            args.w0_all.transpose(2, 3),
-            args.w1_all.transpose(2, 3),
-            args.gw_all,
-            args.gw_all.transpose(2, 3),
-        )
+    return (
+        weight_operands(args.w0_all, precision, transposed=True),
+        weight_operands(args.w1_all, precision, transposed=True),
+        weight_operands(args.gw_all, precision),
+        weight_operands(args.gw_all, precision, transposed=True),
     )
 
 

@@ -21,11 +21,12 @@ Precision tiers (``FAST`` constexpr):
   product and the tail corrections keep separate accumulators merged once per tile. Tails are
   stored scaled by ``2^11`` (so they do not underflow fp16) and activations are scaled by
   ``2^-4`` before the split (so large residual-stream values do not overflow the fp16 head); both
-  scales are powers of two and undone exactly. Weight splits are prepared once per call by
-  :func:`split_fp16x3`; activation splits happen in registers, once per output-column tile,
-  except for the backward's pre-activation cotangent: the gate kernels that produce it store it
-  split (fp16 head and tail planes, the bytes of one fp32 copy) and the residual GEMMs load those
-  planes as their A operand (``SPLIT_A``), bit-identical to splitting in registers.
+  scales are powers of two and undone exactly. Weight splits are made by :func:`split_fp16x3`
+  once per weight version (cached by :func:`weight_operands`); activation splits happen in
+  registers, once per output-column tile, except for the backward's pre-activation cotangent:
+  the gate kernels that produce it store it split (fp16 head and tail planes, the bytes of one
+  fp32 copy) and the residual GEMMs load those planes as their A operand (``SPLIT_A``),
+  bit-identical to splitting in registers.
 """
 
 # Triton kernels take untyped pointer/constexpr arguments and @triton.jit is an untyped decorator.
@@ -43,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "ACT_PRESCALE",
@@ -51,6 +53,7 @@ __all__ = [
     "TileConfig",
     "split_fp16x3",
     "tile_config",
+    "weight_operands",
 ]
 
 ACT_PRESCALE = 2.0**-4
@@ -151,12 +154,76 @@ def split_fp16x3(w: Tensor) -> tuple[Tensor, Tensor]:
     return hi, lo
 
 
-def weight_operands(w: Tensor, precision: StackPrecision) -> tuple[Tensor, Tensor]:
-    """The (head, tail) pair a kernel reads for weight ``w``; the exact tier reads ``w`` twice."""
-    w = w.contiguous()
+# Weight operands, cached per weight tensor.
+#
+# Stack weights are frozen between inference steps, yet every step would otherwise rebuild their
+# kernel operands (the fp16x3 planes: five launches per weight; the backward's transposed
+# copies: one each): tens of launches in a launch-bound small step. The cache is keyed on the
+# weight tensor's identity through a weak reference, so an entry dies with its tensor (no dead
+# weights kept alive, and a later tensor at a recycled address can never match), and each entry
+# is stamped with the tensor's version counter and storage metadata, so an in-place update
+# (optimiser step, load_state_dict) or a ``.data`` swap rebuilds it on the next call. Under
+# CUDA-graph capture a hit is read by address like any weight (the capturer re-records when
+# weights change); a miss is built inside the graph and not stored, so no cached tensor lives
+# in a graph's private pool.
+
+_Stamp = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+_OperandKey = tuple[StackPrecision, bool]  # (tier, transposed)
+_Entries = dict[_OperandKey, tuple[_Stamp, tuple[Tensor, Tensor]]]
+_operand_cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""weight tensor → {(tier, transposed): (stamp, (head, tail))}."""
+
+
+def _stamp(w: Tensor) -> _Stamp:
+    return (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+
+
+def _cacheable(w: Tensor) -> bool:
+    """Plain eager tensors (or parameters) only: compile-time fakes and functional wrappers have
+    no stable identity, and inference tensors have no version counter to invalidate on."""
+    plain = type(w) is Tensor or type(w) is torch.nn.Parameter
+    return plain and not w.is_inference() and not torch.compiler.is_compiling()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _build_operands(
+    w: Tensor, precision: StackPrecision, transposed: bool
+) -> tuple[Tensor, Tensor]:
+    dense = (w.transpose(-2, -1) if transposed else w).contiguous()
     if precision is StackPrecision.FAST:
-        return split_fp16x3(w)
-    return w, w
+        return split_fp16x3(dense)
+    return dense, dense
+
+
+def weight_operands(
+    w: Tensor, precision: StackPrecision, *, transposed: bool = False
+) -> tuple[Tensor, Tensor]:
+    """The (head, tail) pair a kernel reads for weight ``w (..., K, N)`` (or its transpose over
+    the last two axes): fp16x3 planes for the fast tier, the contiguous fp32 weight twice for
+    the exact tier. Cached per weight tensor while it is unchanged (see above)."""
+    if not transposed and precision is StackPrecision.EXACT and w.is_contiguous():
+        return w, w
+    if not _cacheable(w):
+        return _build_operands(w, precision, transposed)
+    entries: _Entries | None = _operand_cache.get(w)  # type: ignore[no-untyped-call]
+    if entries is None:
+        entries = {}
+        _operand_cache[w] = entries
+    key, stamp = (precision, transposed), _stamp(w)
+    hit = entries.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    if _capturing(w.device):
+        return _build_operands(w, precision, transposed)
+    # Normal tensors under no_grad even when first asked for in inference mode or under
+    # autograd: the planes are kernel operands only, never part of a graph.
+    with torch.inference_mode(False), torch.no_grad():
+        operands = _build_operands(w, precision, transposed)
+    entries[key] = (stamp, operands)
+    return operands
 
 
 # Triton: the shared tile product

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -29,29 +30,110 @@ def c3_envelope(length: Tensor, rcut: float, exponent: int) -> Tensor:
 
 
 def c3_envelopes(length: Tensor, rcut: float, exponents: Sequence[int]) -> list[Tensor]:
-    """:func:`c3_envelope` for each of ``exponents``, in that order, sharing ``x``, ``u⁴`` and
-    the series: summed in increasing powers, each truncation is a partial sum on the way, so
-    every envelope costs one multiply beyond the longest series (few ops per edge cache)."""
+    """:func:`c3_envelope` for each of ``exponents``, in that order, contiguous, sharing ``x``,
+    ``u⁴`` and the powers of ``x``; all series are one product and one sum over a coefficient
+    table. Under autograd the derivative is closed form (see :class:`_C3Envelopes`): one
+    multiply-add per envelope in the backward instead of the series' chain rule."""
     if not exponents or min(exponents) < 1:
         raise ValueError(f"envelope exponents must be >= 1, got {tuple(exponents)}")
+    wanted = tuple(exponents)
+    if length.requires_grad and torch.is_grad_enabled():
+        outputs: tuple[Tensor, ...] = _C3Envelopes.apply(length, rcut, wanted)  # type: ignore[no-untyped-call]
+        return list(outputs[: len(wanted)])
+    return list(_envelope_terms(length, rcut, wanted, slopes=False)[0])
+
+
+@cache
+def _series_table(
+    exponents: tuple[int, ...], slopes: bool
+) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float], ...]]:
+    """Coefficients ``(P', n)`` over ``x¹..xⁿ`` (``n = max p - 1``) of the series ``S_p``
+    (and, with ``slopes``, of their derivatives ``S_p'``: P more rows) and their constant terms
+    ``(P', 1)``, as nested tuples for :func:`so2kernels._layout.device_constant`."""
     coefficients = envelope_coefficients(max(exponents))
-    x = length / rcut
+    n = len(coefficients) - 1
+    rows = [tuple(coefficients[j] if j < p else 0.0 for j in range(1, n + 1)) for p in exponents]
+    constants = [1.0] * len(exponents)
+    if slopes:
+        rows += [
+            tuple((j + 1) * coefficients[j + 1] if j + 1 < p else 0.0 for j in range(1, n + 1))
+            for p in exponents
+        ]
+        constants += [coefficients[1] if p > 1 else 0.0 for p in exponents]
+    return tuple(rows), tuple((c,) for c in constants)
+
+
+def _envelope_terms(
+    length: Tensor, rcut: float, exponents: tuple[int, ...], *, slopes: bool
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """The envelopes of ``exponents`` and (``slopes``) their derivatives ``dE_p/dr``, each of
+    ``length``'s shape and contiguous; differentiable torch ops throughout (the closed-form
+    backward reuses this under ``create_graph``)."""
+    # Imported here: so2kernels' package import pulls in every Triton kernel.
+    from so2kernels._layout import device_constant
+
+    flat = length.reshape(-1)
+    x = flat / rcut
     u = torch.clamp(1.0 - x, min=0.0, max=1.0)
     u2 = u * u
-    u4 = u2 * u2
-    wanted = set(exponents)
-    envelopes: dict[int, Tensor] = {1: u4} if 1 in wanted else {}
-    series: Tensor | None = None
-    power = x
-    for k in range(1, len(coefficients)):
-        if series is None:
-            series = x * coefficients[k] + 1.0
-        else:
-            power = power * x
-            series = torch.add(series, power, alpha=coefficients[k])
-        if k + 1 in wanted:
-            envelopes[k + 1] = u4 * series
-    return [envelopes[p] for p in exponents]
+    u3 = u2 * u
+    u4 = u3 * u
+    count, n_terms = len(exponents), max(exponents) - 1
+    if n_terms == 0:  # E_1 = u⁴: S = 1, S' = 0
+        series = torch.cat([torch.ones_like(x), torch.zeros_like(x)]).view(2, -1)
+    else:
+        rows, constants = _series_table(exponents, slopes)
+        table = device_constant(rows, x.device, x.dtype)  # (P', n)
+        powers = x[:, None].expand(-1, n_terms).cumprod(dim=1)  # (E, n): x¹..xⁿ
+        series = (table[:, None, :] * powers).sum(dim=-1) + device_constant(
+            constants, x.device, x.dtype
+        )
+    values = u4 * series[:count]  # (P, E)
+    envelopes = tuple(v.view(length.shape) for v in values.unbind(0))
+    if not slopes:
+        return envelopes, ()
+    # dE/dx = u³ (u·S' + 4 S·du/dx), du/dx = -1 on 0 < x < 1 (u = 0 beyond, and u is clamped
+    # to 1 for an unphysical x < 0, where only the S' term remains).
+    falling = torch.where(x > 0.0, u3 * -4.0, 0.0)
+    derivative = torch.addcmul(falling * series[:count], u4, series[count:]) / rcut
+    return envelopes, tuple(d.view(length.shape) for d in derivative.unbind(0))
+
+
+class _C3Envelopes(torch.autograd.Function):
+    """Envelopes whose backward is ``g_r = Σ_p g_p · dE_p/dr`` with the slopes saved by the
+    forward; under ``create_graph`` the slopes are re-derived from ``length`` in differentiable
+    ops, so the gradient is differentiable again (every order stays closed form)."""
+
+    @staticmethod
+    def forward(length: Tensor, rcut: float, exponents: tuple[int, ...]) -> tuple[Tensor, ...]:
+        envelopes, slopes = _envelope_terms(length, rcut, exponents, slopes=True)
+        return (*envelopes, *slopes)
+
+    @staticmethod
+    def setup_context(
+        ctx: torch.autograd.function.FunctionCtx,
+        inputs: tuple[Tensor, float, tuple[int, ...]],
+        output: tuple[Tensor, ...],
+    ) -> None:
+        length, rcut, exponents = inputs
+        slopes = output[len(exponents) :]
+        ctx.mark_non_differentiable(*slopes)
+        ctx.save_for_backward(length, *slopes)
+        ctx.rcut, ctx.exponents = rcut, exponents  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, *grads: Tensor | None
+    ) -> tuple[Tensor | None, None, None]:
+        length, *slopes = ctx.saved_tensors  # type: ignore[attr-defined]
+        if torch.is_grad_enabled():
+            slopes = list(_envelope_terms(length, ctx.rcut, ctx.exponents, slopes=True)[1])  # type: ignore[attr-defined]
+        total: Tensor | None = None
+        for grad, slope in zip(grads[: len(slopes)], slopes, strict=True):
+            if grad is not None:
+                total = grad * slope if total is None else torch.addcmul(total, grad, slope)
+        return total, None, None
 
 
 def initial_bessel_frequencies(

@@ -29,12 +29,14 @@ def _quat(vec: torch.Tensor) -> torch.Tensor:
 
 def _random_unit(n: int, seed: int) -> torch.Tensor:
     v = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    return v / v.norm(dim=1, keepdim=True)
+    unit: torch.Tensor = v / torch.linalg.vector_norm(v, dim=1, keepdim=True)
+    return unit
 
 
 def _random_quat(n: int, seed: int) -> torch.Tensor:
     q = torch.randn(n, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    return q / q.norm(dim=1, keepdim=True)
+    unit: torch.Tensor = q / torch.linalg.vector_norm(q, dim=1, keepdim=True)
+    return unit
 
 
 def _qmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -53,7 +55,8 @@ def _qmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def golden() -> np.lib.npyio.NpzFile:
-    return np.load(shared_path("reference", "golden", "wigner_d.npz"))
+    data: np.lib.npyio.NpzFile = np.load(shared_path("reference", "golden", "wigner_d.npz"))
+    return data
 
 
 def test_golden_float64(golden: np.lib.npyio.NpzFile) -> None:
@@ -239,7 +242,12 @@ def test_backward_keeps_only_the_quaternion() -> None:
 
     q = _random_quat(50, 11).float().requires_grad_(True)
     saved: list[torch.Tensor] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         d = wigner_d(q, 4)
     assert len(saved) == 1 and saved[0].shape == (50, 4)
     weights = torch.randn(d.shape, generator=torch.Generator().manual_seed(3))

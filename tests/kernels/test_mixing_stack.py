@@ -8,10 +8,12 @@ import pytest
 import torch
 from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  (fixture)
 
+from so2kernels import mixing_stack_kernels
 from so2kernels._dispatch import UnsupportedInputError
 from so2kernels.mixing_stack import mixing_stack_reference, so2_mixing_stack
 from so2kernels.mixing_stack_backward import mixing_stack_backward
 from so2kernels.mixing_stack_fast import measure_stack_error
+from so2kernels.mixing_stack_kernels import StackPrecision, split_fp16x3, weight_operands
 from tests.offline_compile import compiled_count
 
 Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -50,12 +52,18 @@ def make_operands(
     return tuple(t.to(device) for t in (u0, alpha, w0, w1, gw))  # type: ignore[return-value]
 
 
-def _double(ops: Operands, grad_mask: tuple[bool, ...]) -> list[torch.Tensor]:
-    return [t.detach().double().requires_grad_(m) for t, m in zip(ops, grad_mask, strict=True)]
+def _double(ops: Operands, grad_mask: tuple[bool, ...]) -> Operands:
+    u0, alpha, w0, w1, gw = (
+        t.detach().double().requires_grad_(m) for t, m in zip(ops, grad_mask, strict=True)
+    )
+    return u0, alpha, w0, w1, gw
 
 
-def _float(ops: Operands, grad_mask: tuple[bool, ...]) -> list[torch.Tensor]:
-    return [t.detach().clone().requires_grad_(m) for t, m in zip(ops, grad_mask, strict=True)]
+def _float(ops: Operands, grad_mask: tuple[bool, ...]) -> Operands:
+    u0, alpha, w0, w1, gw = (
+        t.detach().clone().requires_grad_(m) for t, m in zip(ops, grad_mask, strict=True)
+    )
+    return u0, alpha, w0, w1, gw
 
 
 ALL_GRADS = (True, True, True, True, True)
@@ -134,9 +142,11 @@ def test_second_order_force_loss(
     probe = torch.randn_like(ops[0])
     mask = ALL_GRADS if apply_alpha else (True, False, True, True, True)
 
-    def second(inputs: list[torch.Tensor], fused: bool) -> tuple[torch.Tensor, ...]:
-        fn = so2_mixing_stack if fused else mixing_stack_reference
-        x_local = fn(*inputs, lmax, focus_dim, apply_alpha)[0]  # type: ignore[operator]
+    def second(inputs: Operands, fused: bool) -> tuple[torch.Tensor, ...]:
+        if fused:
+            x_local = so2_mixing_stack(*inputs, lmax, focus_dim, apply_alpha)[0]
+        else:
+            x_local = mixing_stack_reference(*inputs, lmax, focus_dim, apply_alpha)[0]
         dtype = x_local.dtype
         (grad_u0,) = torch.autograd.grad(x_local, inputs[0], grad_out.to(dtype), create_graph=True)
         wrt = [t for t in inputs if t.requires_grad]
@@ -181,7 +191,7 @@ def test_zero_edges() -> None:
 def test_bad_inputs() -> None:
     ops = make_operands(2, 32, 1, 3, 2)
     with pytest.raises(UnsupportedInputError, match="float32"):
-        so2_mixing_stack(*(t.double() for t in ops), 2, 32, True)
+        so2_mixing_stack(*_double(ops, (False,) * 5), 2, 32, True)
     with pytest.raises(ValueError, match="alpha must have shape"):
         so2_mixing_stack(ops[0], ops[1].T, *ops[2:], 2, 32, True)
     with pytest.raises(ValueError, match="u0 must be"):
@@ -210,7 +220,8 @@ def test_compile_aot_eager() -> None:
     ops = _float(make_operands(1, 32, 1, 5, 2), ALL_GRADS)
 
     def f(*inputs: torch.Tensor) -> torch.Tensor:
-        return so2_mixing_stack(*inputs, 1, 32, True)[0].square().sum()
+        u0, alpha, w0, w1, gw = inputs
+        return so2_mixing_stack(u0, alpha, w0, w1, gw, 1, 32, True)[0].square().sum()
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     got = torch.autograd.grad(compiled(*ops), ops)
@@ -258,7 +269,7 @@ def test_fast_backward_op_every_input(
     mask = (True, apply_alpha, True, True, n_layers > 1)
     ref_in = _double(ops, mask)
     ref = mixing_stack_reference(*ref_in, lmax, focus_dim, apply_alpha)
-    loss = sum((r * c.double()).sum() for r, c in zip(ref, cots, strict=True))
+    loss = torch.stack([(r * c.double()).sum() for r, c in zip(ref, cots, strict=True)]).sum()
     want = torch.autograd.grad(loss, [t for t in ref_in if t.requires_grad])
     got = [g for g, m in zip(grads, mask, strict=True) if m]
     for g, w in zip(got, want, strict=True):
@@ -274,6 +285,80 @@ def test_fast_tier_zero_edges() -> None:
     for g, t in zip(grads, ops, strict=True):
         assert g.shape == t.shape
     assert all(bool((g == 0).all()) for g in grads[2:])
+
+
+# Cached weight operands (fp16x3 planes, transposed copies): built once per weight version.
+
+
+def _step(ops: Operands, precision: str) -> list[torch.Tensor]:
+    """One force-path step: outputs and the (u0, alpha) gradients of a fixed cotangent."""
+    u0, alpha = (t.detach().clone().requires_grad_() for t in ops[:2])
+    x_local = so2_mixing_stack(u0, alpha, *ops[2:], 2, 32, True, precision)[0]
+    cot = torch.linspace(-1.0, 1.0, x_local.numel()).view_as(x_local)
+    return [x_local.detach(), *torch.autograd.grad(x_local, (u0, alpha), cot)]
+
+
+def test_weight_operands_cached_until_the_weight_changes() -> None:
+    w = torch.randn(3, 2, 32, 48)
+    fast = StackPrecision.FAST
+    planes = weight_operands(w, fast)
+    assert weight_operands(w, fast) is planes
+    for got, want in zip(planes, split_fp16x3(w), strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(
+        weight_operands(w, fast, transposed=True), split_fp16x3(w.mT.contiguous()), strict=True
+    ):
+        assert torch.equal(got, want)
+    exact_t = weight_operands(w, StackPrecision.EXACT, transposed=True)
+    assert exact_t[0] is exact_t[1] and torch.equal(exact_t[0], w.mT.contiguous())
+    w.mul_(-2.0)  # in place: same tensor, new version
+    assert torch.equal(weight_operands(w, fast)[0], split_fp16x3(w)[0])
+    assert torch.equal(weight_operands(w, StackPrecision.EXACT, transposed=True)[0], w.mT)
+    w.data = torch.randn(3, 2, 32, 48)  # new storage behind the same tensor object
+    assert torch.equal(weight_operands(w, fast)[1], split_fp16x3(w)[1])
+
+
+def test_weight_operand_cache_lets_dead_weights_go() -> None:
+    import gc
+
+    before = len(mixing_stack_kernels._operand_cache)
+    w = torch.randn(2, 1, 32, 32)
+    weight_operands(w, StackPrecision.FAST)
+    assert len(mixing_stack_kernels._operand_cache) == before + 1
+    del w
+    gc.collect()
+    assert len(mixing_stack_kernels._operand_cache) == before
+
+
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
+def test_steps_reuse_weight_operands_and_see_updates(
+    monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    """Steps on frozen weights split them once; an in-place update (an optimiser step) is seen
+    by the next step exactly as by a fresh copy of the updated weights."""
+    splits: list[tuple[int, ...]] = []
+    original = mixing_stack_kernels.split_fp16x3
+
+    def counting(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        splits.append(tuple(w.shape))
+        return original(w)
+
+    monkeypatch.setattr(mixing_stack_kernels, "split_fp16x3", counting)
+    ops = make_operands(2, 32, 1, 9, 3, seed=23)
+    first = _step(ops, precision)
+    n_first = len(splits)
+    assert n_first == (6 if precision == "fp16x3" else 0)  # 3 forward, 3 more transposed
+    for got, want in zip(_step(ops, precision), first, strict=True):
+        assert torch.equal(got, want)
+    assert len(splits) == n_first
+    with torch.no_grad():
+        ops[2].mul_(1.5)
+        ops[4].add_(0.25)
+    updated = _step(ops, precision)
+    fresh = _step((*ops[:2], *(t.clone() for t in ops[2:])), precision)  # type: ignore[arg-type]
+    for got, want in zip(updated, fresh, strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(updated[0], first[0])
 
 
 # Compiled mode without a GPU: the interpreter accepts code that the compiler rejects (e.g. a
@@ -295,7 +380,7 @@ _KERNEL_POINTERS = {
     ),
 }  # fmt: skip
 _PLAIN_BWD = {"SPLIT_A": False, "ALPHA_PARTIALS": False}
-_KERNEL_FLAGS = {
+_KERNEL_FLAGS: dict[str, list[dict[str, int]]] = {
     "block_fwd_kernel": [
         {"M1_BLOCK": m1, "FINAL": fin, "APPLY_ALPHA": True} for m1 in (0, 1) for fin in (0, 1)
     ],
@@ -311,7 +396,7 @@ _KERNEL_FLAGS = {
         for fin in (0, 1)
     ],
 }
-_FAST_ONLY_VARIANTS = [
+_FAST_ONLY_VARIANTS: list[tuple[str, dict[str, int]]] = [
     *(
         ("block_bwd_kernel", {"M1_BLOCK": m1, "FINAL": 0, "APPLY_ALPHA": 0, "SPLIT_A": 1,
                               "ALPHA_PARTIALS": 0})
@@ -339,8 +424,7 @@ def compile_all_for_sm90(fast: bool) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from so2kernels import mixing_stack_kernels
-    from so2kernels.mixing_stack_kernels import StackPrecision, fallback_tile
+    from so2kernels.mixing_stack_kernels import fallback_tile
 
     precision = StackPrecision.FAST if fast else StackPrecision.EXACT
     variants = [(name, flags) for name, options in _KERNEL_FLAGS.items() for flags in options]
@@ -417,6 +501,35 @@ def test_gpu_realistic_size(precision: str, lmax: int, focus_dim: int, n_focus: 
 
 
 @pytest.mark.gpu
+def test_gpu_capture_reads_cached_weight_operands() -> None:
+    """A CUDA graph captured after eager warm-up replays the fast-tier step exactly; a weight
+    first seen during capture is split inside the graph and kept out of the cache (its planes
+    would otherwise live in the graph's private pool)."""
+    ops = make_operands(2, 32, 1, 515, 3, seed=29, device="cuda")
+    u0 = ops[0].clone().requires_grad_()
+    cot = torch.randn(515, 1, ops[0].shape[2], device="cuda")
+
+    def step(w0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = so2_mixing_stack(u0, ops[1], w0, *ops[3:], 2, 32, True, "fp16x3")[0]
+        return x, torch.autograd.grad(x, u0, cot)[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        want = step(ops[2])
+    torch.cuda.current_stream().wait_stream(side)
+    for weights in (ops[2], ops[2].clone()):  # cached before capture, then first seen inside
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = step(weights)
+        graph.replay()
+        torch.cuda.synchronize()
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+    assert weights not in mixing_stack_kernels._operand_cache
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_int64_offsets() -> None:
     """F·E·ROW beyond 2^31 elements: the last edges must still be right (int64 offsets)."""
@@ -428,8 +541,8 @@ def test_gpu_int64_offsets() -> None:
     alpha = torch.rand(n_edge, n_focus, device="cuda") + 0.02
     x_local, _, _ = so2_mixing_stack(u0, alpha, *ops[2:], lmax, focus_dim, True)
     edges = torch.arange(n_edge - 256, n_edge, device="cuda")
+    _, _, w0, w1, gw = _double(ops, (False,) * 5)
     ref = mixing_stack_reference(
-        u0[:, edges].double(), alpha[edges].double(), *(t.double() for t in ops[2:]),
-        lmax, focus_dim, True,
-    )[0]  # fmt: skip
+        u0[:, edges].double(), alpha[edges].double(), w0, w1, gw, lmax, focus_dim, True
+    )[0]
     assert_normwise_close(x_local[edges], ref, 1e-6)
