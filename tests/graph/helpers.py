@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import warnings
+from collections.abc import Callable
 
 import numpy as np
+import torch
 from numpy.typing import NDArray
 
 from service.graph.structures import StructureArrays
@@ -66,3 +69,20 @@ def brute_force_pairs(
         for i, j in zip(*np.nonzero(ok), strict=True):
             out.add((int(i), int(j), *shift))
     return out
+
+
+def cuda_syncs(call: Callable[[], object]) -> list[str]:
+    """The synchronising CUDA operations ``call()`` makes, as torch's sync debug mode reports
+    them (its one-time "... is a prototype feature ..." notice is not one)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [
+        str(w.message)
+        for w in caught
+        if "called a synchronizing" in str(w.message) and "prototype" not in str(w.message)
+    ]

@@ -7,7 +7,6 @@ import functools
 import os
 import subprocess
 import sys
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from service.graph.pair_search import (
 )
 from service.graph.structures import StructureArrays, Structures
 from tests.conftest import shared_path
-from tests.graph.helpers import random_cell, random_structure
+from tests.graph.helpers import cuda_syncs, random_cell, random_structure
 
 RCUT = 4.5
 GRAPH_TENSORS = (
@@ -436,17 +435,5 @@ def test_cuda_request_path_reads_the_device_once() -> None:
     assert resolve_backend(torch.device("cuda"), "auto", windows_of(host, 6.0)) == "direct"
     place_and_build_graph(host, 6.0, "cuda")  # compiles the kernels
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            place_and_build_graph(host, 6.0, "cuda")
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # set_sync_debug_mode's one-time notice ("... is a prototype feature ...") is no sync.
-    syncs = [
-        str(w.message)
-        for w in caught
-        if "called a synchronizing" in str(w.message) and "prototype" not in str(w.message)
-    ]
+    syncs = cuda_syncs(lambda: place_and_build_graph(host, 6.0, "cuda"))
     assert len(syncs) == 1, syncs

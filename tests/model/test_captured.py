@@ -28,6 +28,7 @@ from service.model.captured import (
 )
 from service.model.config import preset
 from service.model.potential import Potential
+from tests.graph.helpers import cuda_syncs
 from tests.model.randomized import randomized_model
 
 CONFIG = preset("tiny", ["O", "H"], rcut=4.0, channels=32, n_focus=2, focus_dim=32, n_blocks=2)
@@ -285,7 +286,6 @@ def test_cuda_replay_host_path() -> None:
     medians (run with -s) and checks the one host read of the request path."""
     import statistics
     import time
-    import warnings
 
     from benchmarks.model import bar_config
     from service.graph.neighbors import place_and_build_graph_carrying
@@ -328,18 +328,7 @@ def test_cuda_replay_host_path() -> None:
         "whole step": statistics.median(step_ms),
     }
     print({k: round(v, 3) for k, v in medians.items()})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            pot.predict(water, props)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [
-        str(w.message)
-        for w in caught
-        if "called a synchronizing" in str(w.message) and "prototype" not in str(w.message)
-    ]
+    syncs = cuda_syncs(lambda: pot.predict(water, props))
     assert len(syncs) == 1, syncs  # the direct search's edge count
     # 2026-11-30 before this path was trimmed: ~1.5-2 ms from predict to the replay.
     assert medians["until the replay is launched"] < 1.5
