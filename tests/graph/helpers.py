@@ -62,12 +62,12 @@ def brute_force_pairs(
         reach = [int(np.ceil(rcut / h)) + 1 if p else 0 for h, p in zip(heights, pbc, strict=True)]
     out = set()
     ranges = [range(-k, k + 1) for k in reach]
-    for shift in itertools.product(*ranges):
-        d = positions[None, :, :] + np.array(shift) @ cell - positions[:, None, :]
+    for s0, s1, s2 in itertools.product(*ranges):
+        d = positions[None, :, :] + np.array((s0, s1, s2)) @ cell - positions[:, None, :]
         dist = np.linalg.norm(d, axis=-1)
         ok = (dist <= rcut) & (dist > 0)
         for i, j in zip(*np.nonzero(ok), strict=True):
-            out.add((int(i), int(j), *shift))
+            out.add((int(i), int(j), s0, s1, s2))
     return out
 
 

@@ -59,9 +59,9 @@ CASES = _cases()
 def test_matches_brute_force(name: str, item: StructureArrays, rcut: float, backend: str) -> None:
     structures = Structures.from_arrays([item])
     graph = build_graph(structures, rcut, backend=backend)  # type: ignore[arg-type]
-    expected = brute_force_pairs(
-        structures.positions.numpy(), item.cell, structures.pbc[0].numpy(), rcut
-    )
+    cell = None if item.cell is None else np.asarray(item.cell, dtype=np.float64)
+    pbc = structures.pbc[0].numpy()
+    expected = brute_force_pairs(structures.positions.numpy(), cell, pbc, rcut)
     assert graph.n_edges == len(expected)
     assert _edge_set(graph) == expected
 
