@@ -53,9 +53,9 @@ case "$topic" in
     STEP_S=220 run python3 benchmarks/model.py --cases small:192,1536,12288,98304 medium:192,1536,12288,98304 --paths compiled reference --compile-configs small medium --compile-max-atoms 98304 --memory auto --no-agreement --repeats 2
     ;;
   smallstep)  # after graph/glue/service changes: their gpu tests, neighbour-search crossover, 192-12k steps, service
-    STEP_S=95 run python3 -m pytest -q -m gpu tests/graph/test_pair_search.py tests/graph/test_neighbors.py tests/graph/test_sync_free.py tests/kernels/test_aggregate.py tests/kernels/test_outer_sum.py tests/model/test_captured.py tests/model/test_golden_systems.py
+    STEP_S=150 run python3 -m pytest -q -m gpu tests/graph/test_pair_search.py tests/graph/test_neighbors.py tests/graph/test_sync_free.py tests/kernels/test_aggregate.py tests/kernels/test_outer_sum.py tests/kernels/test_mixing_stack.py tests/model/test_captured.py tests/model/test_golden_systems.py tests/model/test_fast_tier.py
     STEP_S=35 run python3 benchmarks/graph.py --sizes 1 2 4 --neighbors-only --repeats 5
-    STEP_S=80 run python3 benchmarks/model.py --cases bar:192,1536,12288 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
+    STEP_S=160 run python3 benchmarks/model.py --cases bar:192,1536,12288 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
     STEP_S=120 run python3 benchmarks/service.py --device cuda --quick --profile-server
     ;;
   final)  # end of session: model + service gpu tests, service bench, bar model, preset matrix
