@@ -47,10 +47,11 @@ case "$topic" in
     STEP_S=100 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py
     STEP_S=150 run python3 benchmarks/model.py --cases bar:192,1536,12288 --paths fused fused-fp16x3 --profile --repeats 5 --no-agreement "$@"
     ;;
-  matrix)  # issue #4's size matrix: small/medium at 192..98k + largest fitting, fused vs reference vs compiled; bar at 98k + largest
-    STEP_S=170 run python3 benchmarks/model.py --cases small:192,1536,12288,98304 medium:192,1536,12288,98304 bar:98304 --paths fused --memory auto --no-agreement --repeats 2 --find-max --max-atoms 400000
-    STEP_S=100 run python3 benchmarks/model.py --cases small:192,1536,12288,98304 medium:192,1536,12288,98304 --paths fused-fp16x3 --memory auto --no-agreement --repeats 2
-    STEP_S=220 run python3 benchmarks/model.py --cases small:192,1536,12288,98304 medium:192,1536,12288,98304 --paths compiled reference --compile-configs small medium --compile-max-atoms 98304 --memory auto --no-agreement --repeats 2
+  matrix)  # what the 2026-11-30 matrix call left: medium at 192..98k + largest fitting, bar at 98k + largest, compiled/reference beyond 192 (small was measured: model_20261130T0311*/T0314*)
+    STEP_S=200 run python3 benchmarks/model.py --cases medium:192,1536,12288,98304 bar:98304 --paths fused --memory auto --no-agreement --repeats 2 --find-max --max-atoms 200000
+    STEP_S=90 run python3 benchmarks/model.py --cases medium:192,1536,12288,98304 --paths fused-fp16x3 --memory auto --no-agreement --repeats 2
+    STEP_S=200 run python3 benchmarks/model.py --cases small:1536,12288 medium:192,1536,12288 --paths compiled --compile-configs small medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
+    STEP_S=100 run python3 benchmarks/model.py --cases small:98304 medium:192,1536,12288,98304 --paths reference --memory auto --no-agreement --repeats 2
     ;;
   smallstep)  # after graph/glue/service changes: their gpu tests, neighbour-search crossover, 192-12k steps, service
     STEP_S=150 run python3 -m pytest -q -m gpu tests/graph/test_pair_search.py tests/graph/test_neighbors.py tests/graph/test_sync_free.py tests/kernels/test_aggregate.py tests/kernels/test_outer_sum.py tests/kernels/test_mixing_stack.py tests/model/test_captured.py tests/model/test_golden_systems.py tests/model/test_fast_tier.py
