@@ -15,16 +15,20 @@ KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
 REPO = KERNEL_TESTS.parents[1]
 
 
+def run_without_interpreter(script: str) -> str:
+    """Run Python ``script`` in a child process without ``TRITON_INTERPRET`` (the repository on
+    its path) and return its stdout; a failing child fails the calling test with its stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n{script}"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
 def compiled_count(module: str, call: str) -> int:
     """Import ``tests/kernels/<module>.py`` in a child without the interpreter, evaluate
     ``call`` (e.g. ``"compile_all_for_sm90()"``) and return the integer it prints."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = (
-        f"import sys; sys.path[:0] = [{str(KERNEL_TESTS)!r}, {str(REPO)!r}]; "
-        f"import {module} as t; print(t.{call})"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return int(result.stdout.split()[-1])
+    script = f"sys.path.insert(0, {str(KERNEL_TESTS)!r})\nimport {module} as t\nprint(t.{call})"
+    return int(run_without_interpreter(script).split()[-1])

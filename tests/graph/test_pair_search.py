@@ -4,11 +4,7 @@ an sm_90 compile, and a CUDA comparison at a few thousand atoms for the lead).""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,13 +32,13 @@ from service.graph.pair_search import (
 from service.graph.structures import StructureArrays, Structures
 from tests.conftest import shared_path
 from tests.graph.helpers import cuda_syncs, random_cell, random_structure
+from tests.offline_compile import run_without_interpreter
 
 RCUT = 4.5
 GRAPH_TENSORS = (
     "src", "dst", "shifts", "edge_batch", "atom_batch", "dst_rowptr", "src_order", "src_rowptr",
     "edge_ptr",
 )  # fmt: skip
-REPO = Path(__file__).resolve().parents[2]
 
 
 def assert_same_graph(got: Graph, want: Graph) -> None:
@@ -353,13 +349,7 @@ print(contracted)
 def test_kernel_compiles_for_sm90_without_contraction() -> None:
     """The kernel lowers for the H200 in every variant, and no multiply-add is fused (the
     distances must round like the torch backend's separate products and sums)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n{_SM90_COMPILE}"],
-        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert int(result.stdout.split()[-1]) == 0
+    assert int(run_without_interpreter(_SM90_COMPILE).split()[-1]) == 0
 
 
 # GPU (the lead runs these on the H200)

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +26,7 @@ from service.model.config import preset
 from service.model.potential import Potential
 from tests.graph.helpers import cuda_syncs
 from tests.model.randomized import randomized_model
+from tests.offline_compile import run_without_interpreter
 
 CONFIG = preset("tiny", ["O", "H"], rcut=4.0, channels=32, n_focus=2, focus_dim=32, n_blocks=2)
 
@@ -189,14 +186,7 @@ print("ok")
 
 def test_pad_into_kernel_compiles_for_sm90() -> None:
     """The padding kernel lowers for the H200 (CPU runs only interpret it)."""
-    repo = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(repo)!r})\n{_SM90_COMPILE}"],
-        env=env, capture_output=True, text=True, timeout=300, cwd=repo,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.split()[-1] == "ok"
+    assert run_without_interpreter(_SM90_COMPILE).split()[-1] == "ok"
 
 
 def test_packed_outputs_give_back_the_real_rows() -> None:
