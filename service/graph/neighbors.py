@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -99,19 +99,20 @@ class Graph:
     def device(self) -> torch.device:
         return self.src.device
 
+    def tensors(self) -> list[Tensor]:
+        """The index tensors, in field order (what :meth:`with_tensors` takes back)."""
+        return [getattr(self, name) for name in _GRAPH_TENSORS]
+
+    def with_tensors(self, tensors: Sequence[Tensor]) -> Graph:
+        """This graph with its index tensors replaced, in :meth:`tensors` order."""
+        named: dict[str, Any] = dict(zip(_GRAPH_TENSORS, tensors, strict=True))
+        return replace(self, **named)
+
     def to(self, device: torch.device | str) -> Graph:
-        return replace(
-            self,
-            src=self.src.to(device),
-            dst=self.dst.to(device),
-            shifts=self.shifts.to(device),
-            edge_batch=self.edge_batch.to(device),
-            atom_batch=self.atom_batch.to(device),
-            dst_rowptr=self.dst_rowptr.to(device),
-            src_order=self.src_order.to(device),
-            src_rowptr=self.src_rowptr.to(device),
-            edge_ptr=self.edge_ptr.to(device),
-        )
+        return self.with_tensors([t.to(device) for t in self.tensors()])
+
+
+_GRAPH_TENSORS = tuple(f.name for f in fields(Graph) if f.name not in ("n_atoms", "n_structures"))
 
 
 def build_graph(
@@ -209,9 +210,9 @@ def place_and_build_graph_carrying(
         pairs = _vesin_pairs(structures, rcut, min_distance)
         if pairs is not None:
             graph = graph_from_pairs(structures, pairs)
-            moved = transfer_packed([*host, *_graph_tensors(graph)], device)
+            moved = transfer_packed([*host, *graph.tensors()], device)
             placed, carried = _split_placed(moved[: len(host)])
-            return placed, _graph_with_tensors(graph, moved[len(host) :]), carried
+            return placed, graph.with_tensors(moved[len(host) :]), carried
     placed, carried = _split_placed(transfer_packed(host, device))
     return placed, _cell_list_graph(placed, rcut, min_distance, candidate_budget), carried
 
@@ -374,31 +375,6 @@ _N_STRUCTURE_TENSORS = len(fields(Structures))
 def _structure_tensors(structures: Structures) -> list[Tensor]:
     """The tensors of :class:`Structures` in constructor order."""
     return [getattr(structures, f.name) for f in fields(Structures)]
-
-
-def _graph_tensors(graph: Graph) -> list[Tensor]:
-    """The tensors of a graph, in the order :func:`_graph_with_tensors` reads them back."""
-    return [
-        graph.src, graph.dst, graph.shifts, graph.edge_batch, graph.atom_batch,
-        graph.dst_rowptr, graph.src_order, graph.src_rowptr, graph.edge_ptr,
-    ]  # fmt: skip
-
-
-def _graph_with_tensors(graph: Graph, tensors: Sequence[Tensor]) -> Graph:
-    src, dst, shifts, edge_batch, atom_batch, dst_rowptr, src_order, src_rowptr, edge_ptr = tensors
-    return Graph(
-        src=src,
-        dst=dst,
-        shifts=shifts,
-        edge_batch=edge_batch,
-        atom_batch=atom_batch,
-        dst_rowptr=dst_rowptr,
-        src_order=src_order,
-        src_rowptr=src_rowptr,
-        edge_ptr=edge_ptr,
-        n_atoms=graph.n_atoms,
-        n_structures=graph.n_structures,
-    )
 
 
 _VESIN_MAX_SPAN = 1000.0

@@ -37,6 +37,7 @@ together they are bounded by :data:`MEMORY_FRACTION` of the device.
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -319,9 +320,7 @@ class _PackedOutputs:
         for shape, dtype, rows in zip(
             self.shapes, self.dtypes, (n_structures, n_atoms, n_atoms, n_structures), strict=True
         ):
-            row_size = 1
-            for extent in shape[1:]:
-                row_size *= extent
+            row_size = math.prod(shape[1:])
             part = copy[start : start + rows * row_size].view(rows, *shape[1:])
             parts.append(part if dtype == torch.float64 else part.to(dtype))
             start += shape[0] * row_size
