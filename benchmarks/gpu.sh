@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh verify|recheck|matrix|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|recheck|matrix|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -52,6 +52,11 @@ case "$topic" in
     STEP_S=90 run python3 benchmarks/model.py --cases medium:192,1536,12288,98304 --paths fused-fp16x3 --memory auto --no-agreement --repeats 2
     STEP_S=200 run python3 benchmarks/model.py --cases small:1536,12288 medium:192,1536,12288 --paths compiled --compile-configs small medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
     STEP_S=100 run python3 benchmarks/model.py --cases small:98304 medium:192,1536,12288,98304 --paths reference --memory auto --no-agreement --repeats 2
+    ;;
+  closing)  # last call of a session: gpu tests of the glue/stack/service changes, the 192-12k steps, the service
+    STEP_S=110 run python3 -m pytest -q -m gpu tests/graph/test_gpu.py tests/graph/test_sync_free.py tests/kernels/test_mixing_stack.py tests/model/test_captured.py tests/model/test_golden_systems.py tests/model/test_fast_tier.py
+    STEP_S=110 run python3 benchmarks/model.py --cases bar:192,1536,12288 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
+    STEP_S=110 run python3 benchmarks/service.py --device cuda --quick --phases in_process engine http throughput
     ;;
   smallstep)  # after graph/glue/service changes: their gpu tests, neighbour-search crossover, 192-12k steps, service
     STEP_S=150 run python3 -m pytest -q -m gpu tests/graph/test_pair_search.py tests/graph/test_neighbors.py tests/graph/test_sync_free.py tests/kernels/test_aggregate.py tests/kernels/test_outer_sum.py tests/kernels/test_mixing_stack.py tests/model/test_captured.py tests/model/test_golden_systems.py tests/model/test_fast_tier.py
