@@ -41,7 +41,12 @@ def assemble_forces_virial(
     forces = csr_segment_sum(g, graph.dst_rowptr) - csr_segment_sum(
         g, graph.src_rowptr, graph.src_order
     )
-    edge_virial = -(g.unsqueeze(2) * r.unsqueeze(1))  # (E, 3, 3)
+    # Imported here: so2kernels' package import pulls in every Triton kernel.
+    from so2kernels._layout import device_constant
+
+    # 0 − g⊗r: the negation rides on the product's launch (exactly: a sign flip).
+    zero = device_constant((0.0,), g.device, torch.float64)
+    edge_virial = torch.addcmul(zero, g.unsqueeze(2), r.unsqueeze(1), value=-1.0)  # (E, 3, 3)
     centre_virial = csr_segment_sum(edge_virial, graph.dst_rowptr)  # (N, 3, 3)
     virial = csr_segment_sum(centre_virial, atom_rowptr(graph))
     per_atom = None

@@ -75,6 +75,80 @@ class EdgeCache:
             raise ValueError(f"the cache holds Wigner-D up to lmax={self.lmax}, asked for {lmax}")
 
 
+def regularised_length(vec: Tensor, eps: float) -> Tensor:
+    """(E,) ``sqrt(|r|² + eps²)`` of (E, 3) vectors, never 0; its backward is the closed form
+    ``g·r/length`` (two launches; autograd through the norm and hypot takes six), written in
+    differentiable ops so force training's double backward works."""
+    length: Tensor = _RegularisedLength.apply(vec, eps)  # type: ignore[no-untyped-call]
+    return length
+
+
+class _RegularisedLength(torch.autograd.Function):
+    @staticmethod
+    def forward(vec: Tensor, eps: float) -> Tensor:
+        # Imported here for the reason given in EdgeCache.reduced_wigner.
+        from so2kernels._layout import device_constant
+
+        eps_row = device_constant((eps,), vec.device, vec.dtype)
+        return torch.hypot(torch.linalg.vector_norm(vec, dim=-1), eps_row)
+
+    @staticmethod
+    def setup_context(
+        ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, float], output: Tensor
+    ) -> None:
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        vec, length = ctx.saved_tensors  # type: ignore[attr-defined]
+        return vec * (grad / length)[:, None], None
+
+
+def inverse_sqrt_degree(env: Tensor, dst_rowptr: Tensor, floor: float) -> tuple[Tensor, Tensor]:
+    """``(deg, rsqrt(deg + floor))``, both (N,) in env's dtype, with ``deg_i = Σ_{dst=i} env²``
+    summed in float64 (deterministic CSR). The backward is the closed form
+    ``g_env = env·broadcast(2·g_deg − g_inv·inv³)`` (four launches; autograd through the casts,
+    the sum and the rsqrt takes eight), in differentiable ops so double backward works."""
+    out: tuple[Tensor, Tensor] = _InverseSqrtDegree.apply(env, dst_rowptr, floor)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _InverseSqrtDegree(torch.autograd.Function):
+    @staticmethod
+    def forward(env: Tensor, dst_rowptr: Tensor, floor: float) -> tuple[Tensor, Tensor]:
+        deg = csr_segment_sum(env * env, dst_rowptr).to(env.dtype)
+        return deg, torch.rsqrt(deg + floor)
+
+    @staticmethod
+    def setup_context(
+        ctx: torch.autograd.function.FunctionCtx,
+        inputs: tuple[Tensor, Tensor, float],
+        output: tuple[Tensor, Tensor],
+    ) -> None:
+        env, dst_rowptr, _ = inputs
+        ctx.save_for_backward(env, dst_rowptr, output[1])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_deg: Tensor | None, grad_inv: Tensor | None
+    ) -> tuple[Tensor | None, None, None]:
+        # Imported here for the reason given in EdgeCache.reduced_wigner.
+        from so2kernels._layout import device_constant
+        from so2kernels.segment import segment_broadcast
+
+        env, dst_rowptr, inv = ctx.saved_tensors  # type: ignore[attr-defined]
+        node: Tensor | None = None
+        if grad_inv is not None:  # d rsqrt(deg + f)/d env_e = −inv³·env_e
+            zero = device_constant((0.0,), env.device, env.dtype)
+            node = torch.addcmul(zero, grad_inv, inv.pow(3), value=-1.0)
+        if grad_deg is not None:  # d deg/d env_e = 2·env_e
+            node = 2.0 * grad_deg if node is None else torch.add(node, grad_deg, alpha=2.0)
+        if node is None:
+            return None, None, None
+        return segment_broadcast(node, None, dst_rowptr, env.shape[0]) * env, None, None
+
+
 def build_edge_cache(
     graph: Graph,
     edge_vec: Tensor,
@@ -97,11 +171,11 @@ def build_edge_cache(
     if edge_vec.shape != (graph.n_edges, 3):
         raise ValueError(f"edge_vec must be ({graph.n_edges}, 3), got {tuple(edge_vec.shape)}")
     vec = edge_vec.to(dtype)
-    length = torch.sqrt((vec * vec).sum(dim=-1) + eps * eps)
+    length = regularised_length(vec, eps)
     rbf_exponent, message_exponent = env_exponents
     env_rbf, env = c3_envelopes(length, rcut, (rbf_exponent, message_exponent))
     quat = edge_quaternion(vec, length, eps)
-    deg = csr_segment_sum(env * env, graph.dst_rowptr).to(dtype)
+    deg, inv_sqrt_deg = inverse_sqrt_degree(env, graph.dst_rowptr, deg_floor)
     return EdgeCache(
         vec=vec,
         length=length,
@@ -110,7 +184,7 @@ def build_edge_cache(
         quat=quat,
         wigner=wigner_d(quat, lmax).contiguous(),
         deg=deg,
-        inv_sqrt_deg=torch.rsqrt(deg + deg_floor),
+        inv_sqrt_deg=inv_sqrt_deg,
         graph=graph,
         rcut=rcut,
         lmax=lmax,

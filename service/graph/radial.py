@@ -21,10 +21,11 @@ def envelope_coefficients(exponent: int) -> list[float]:
 
 
 def c3_envelope(length: Tensor, rcut: float, exponent: int) -> Tensor:
-    """``E_p(r/rcut) = u⁴ · Σ_{k<p} C(k+3,3) x^k`` with ``x = r/rcut``, ``u = clamp(1-x, 0, 1)``.
+    """``E_p(r/rcut) = u⁴ · Σ_{k<p} C(k+3,3) x^k`` with ``x = r/rcut``, ``u = max(1-x, 0)``.
 
     Equal to ``1 - O(x^p)`` near 0; value and first three derivatives vanish at ``rcut``, and it
-    is exactly 0 (with zero gradient) beyond. Shape of ``length``.
+    is exactly 0 (with zero gradient) beyond. Shape of ``length`` (r ≥ 0, where ``u`` equals
+    the spec's ``clamp(1-x, 0, 1)``).
     """
     return c3_envelopes(length, rcut, (exponent,))[0]
 
@@ -43,24 +44,35 @@ def c3_envelopes(length: Tensor, rcut: float, exponents: Sequence[int]) -> list[
     return list(_envelope_terms(length, rcut, wanted, slopes=False)[0])
 
 
+def envelope_slope_coefficient(exponent: int) -> float:
+    """``c_p`` in ``dE_p/dx = c_p · x^(p-1) · (1-x)³`` on ``0 ≤ x ≤ 1``: ``-p·C(p+3, 3)``.
+
+    ``(1-x)⁴ S_p(x) = 1 - O(x^p)`` is ``1 - I_x(p, 4)`` (the regularised incomplete beta
+    function), whose derivative is the beta density ``x^(p-1) (1-x)³ / B(p, 4)``."""
+    return -float(exponent * math.comb(exponent + 3, 3))
+
+
 @cache
 def _series_table(
-    exponents: tuple[int, ...], slopes: bool
-) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float], ...]]:
-    """Coefficients ``(P', n)`` over ``x¹..xⁿ`` (``n = max p - 1``) of the series ``S_p``
-    (and, with ``slopes``, of their derivatives ``S_p'``: P more rows) and their constant terms
-    ``(P', 1)``, as nested tuples for :func:`so2kernels._layout.device_constant`."""
-    coefficients = envelope_coefficients(max(exponents))
-    n = len(coefficients) - 1
-    rows = [tuple(coefficients[j] if j < p else 0.0 for j in range(1, n + 1)) for p in exponents]
-    constants = [1.0] * len(exponents)
+    exponents: tuple[int, ...], rcut: float, slopes: bool
+) -> tuple[tuple[float, ...], ...]:
+    """Coefficients ``(P', n)`` over ``x⁰..x^(n-1)`` (``n = max p``), as nested tuples for
+    :func:`so2kernels._layout.device_constant`: the series ``S_p`` of each exponent, then
+    (``slopes``) the one-term rows ``(c_p/rcut)·x^(p-1)``, so one GEMM on the powers of x gives
+    every series and every slope polynomial."""
+    n = max(exponents)
+    coefficients = envelope_coefficients(n)
+    rows = [tuple(coefficients[j] if j < p else 0.0 for j in range(n)) for p in exponents]
     if slopes:
         rows += [
-            tuple((j + 1) * coefficients[j + 1] if j + 1 < p else 0.0 for j in range(1, n + 1))
+            tuple(envelope_slope_coefficient(p) / rcut if j == p - 1 else 0.0 for j in range(n))
             for p in exponents
         ]
-        constants += [coefficients[1] if p > 1 else 0.0 for p in exponents]
-    return tuple(rows), tuple((c,) for c in constants)
+    return tuple(rows)
+
+
+_POWERS_OF_U = ((4.0,), (3.0,))
+"""Exponents of ``u`` multiplying the series (``u⁴``) and the slope polynomials (``u³``)."""
 
 
 def _envelope_terms(
@@ -68,35 +80,34 @@ def _envelope_terms(
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """The envelopes of ``exponents`` and (``slopes``) their derivatives ``dE_p/dr``, each of
     ``length``'s shape and contiguous; differentiable torch ops throughout (the closed-form
-    backward reuses this under ``create_graph``)."""
+    backward reuses this under ``create_graph``).
+
+    Seven elementwise/GEMM launches whatever the number of envelopes: the powers of ``x`` and of
+    ``u`` are one ``pow`` each against a constant exponent column (no scan), the series and slope
+    polynomials one GEMM (the constant terms ride on ``x⁰``, so no bias copy; positive terms only
+    for x ≥ 0: no cancellation), and one product applies ``u⁴`` and ``u³``. Lengths are never
+    negative; for ``x < 0`` the envelope is the polynomial ``(1-x)⁴ S_p(x)`` itself (``u`` is
+    clamped at 0 only), so the slope stays its exact derivative everywhere.
+    """
     # Imported here: so2kernels' package import pulls in every Triton kernel.
     from so2kernels._layout import device_constant
 
+    device, dtype = length.device, length.dtype
     flat = length.reshape(-1)
     x = flat / rcut
-    u = torch.clamp(1.0 - x, min=0.0, max=1.0)
-    u2 = u * u
-    u3 = u2 * u
-    u4 = u3 * u
-    count, n_terms = len(exponents), max(exponents) - 1
-    if n_terms == 0:  # E_1 = u⁴: S = 1, S' = 0
-        series = torch.cat([torch.ones_like(x), torch.zeros_like(x)]).view(2, -1)
-    else:
-        rows, constants = _series_table(exponents, slopes)
-        table = device_constant(rows, x.device, x.dtype)  # (P', n)
-        powers = x[:, None].expand(-1, n_terms).cumprod(dim=1)  # (E, n): x¹..xⁿ
-        series = (table[:, None, :] * powers).sum(dim=-1) + device_constant(
-            constants, x.device, x.dtype
-        )
-    values = u4 * series[:count]  # (P, E)
-    envelopes = tuple(v.view(length.shape) for v in values.unbind(0))
+    u = torch.clamp(1.0 - x, min=0.0)
+    table = device_constant(_series_table(exponents, rcut, slopes), device, dtype)  # (P', n)
+    # Powers by pow, not repeated products (a scan): pow's backward masks zero exponents, so
+    # x^k and u^k have finite derivatives of every order at 0.
+    x_exponents = device_constant(tuple((float(k),) for k in range(table.shape[1])), device, dtype)
+    series = table @ x[None, :].pow(x_exponents)  # (P', n) @ (n, E)
+    parts = 2 if slopes else 1
+    u_powers = u[None, :].pow(device_constant(_POWERS_OF_U[:parts], device, dtype))  # (parts, E)
+    terms = series.view(parts, len(exponents), -1) * u_powers[:, None, :]  # (parts, P, E)
+    envelopes = tuple(v.view(length.shape) for v in terms[0].unbind(0))
     if not slopes:
         return envelopes, ()
-    # dE/dx = u³ (u·S' + 4 S·du/dx), du/dx = -1 on 0 < x < 1 (u = 0 beyond, and u is clamped
-    # to 1 for an unphysical x < 0, where only the S' term remains).
-    falling = torch.where(x > 0.0, u3 * -4.0, 0.0)
-    derivative = torch.addcmul(falling * series[:count], u4, series[count:]) / rcut
-    return envelopes, tuple(d.view(length.shape) for d in derivative.unbind(0))
+    return envelopes, tuple(d.view(length.shape) for d in terms[1].unbind(0))
 
 
 class _C3Envelopes(torch.autograd.Function):

@@ -68,24 +68,31 @@ _CHART_GATHER_T = tuple(
 of the eight chart entries and of the blend argument back onto r̂."""
 
 
-def smooth_step(t: Tensor) -> Tensor:
-    """C^∞ step ``s(t) = e^{−1/t} / (e^{−1/t} + e^{−1/(1−t)})``: 0 for t ≤ 0, 1 for t ≥ 1, all
-    derivatives 0 at both ends. Evaluated as ``sigmoid(1/(1−t) − 1/t)`` on a clamped argument."""
-    return _smooth_step_terms(t, slope=False)[0]
+_BLEND_SATURATION = 0.998
+"""``|r̂_z|`` beyond which the pole blend is exactly 0 or 1 in fp32 and float64 alike (its
+sigmoid argument exceeds 999 in magnitude): r̂_z is clamped there, which changes no value and
+makes the band's edges need no masks."""
 
 
-def _smooth_step_terms(t: Tensor, *, slope: bool) -> tuple[Tensor, Tensor | None]:
-    """:func:`smooth_step` and (``slope``) its derivative ``s(1−s)·(1/(1−t)² + 1/t²)`` inside
-    (0, 1), exactly 0 outside."""
-    inside = (t > 0.0) & (t < 1.0)
-    tc = torch.where(inside, t, torch.full_like(t, 0.5))
-    rising, falling = torch.reciprocal(1.0 - tc), torch.reciprocal(tc)
-    value = torch.sigmoid(rising - falling)
-    step = torch.where(inside, value, (t >= 1.0).to(t.dtype))
+def _pole_blend_terms(unit_z: Tensor, *, slope: bool) -> tuple[Tensor, Tensor | None]:
+    """The weight ``b = s((r̂_z + 1)/2)`` of the chart q₊, with the C^∞ step
+    ``s(t) = e^{−1/t} / (e^{−1/t} + e^{−1/(1−t)})`` (0 for t ≤ 0, 1 for t ≥ 1, all derivatives 0
+    at both ends), and (``slope``) its derivative ``∂b/∂r̂_z``.
+
+    With ``t = (1+z)/2``: ``s(t) = sigmoid(1/(1−t) − 1/t) = sigmoid(z/d)``, ``d = (1 − z²)/4``,
+    and ``∂b/∂z = b(1−b)·((1 + z²)/4)/d²``, on ``z`` clamped to ±:data:`_BLEND_SATURATION`
+    (where ``b`` is already exactly 0 or 1, so the slope is exactly 0 there)."""
+    # Imported here for the reason given in edge_cache.EdgeCache.reduced_wigner.
+    from so2kernels._layout import device_constant
+
+    quarter = device_constant((0.25,), unit_z.device, unit_z.dtype)
+    z = torch.clamp(unit_z, -_BLEND_SATURATION, _BLEND_SATURATION)
+    spread = torch.addcmul(quarter, z, z, value=-0.25)  # (1 − z²)/4 > 0: multiples of 1/4 exact
+    blend = torch.sigmoid(z / spread)
     if not slope:
-        return step, None
-    spread = torch.addcmul(rising * rising, falling, falling)
-    return step, torch.where(inside, value * (1.0 - value) * spread, 0.0)
+        return blend, None
+    steepness = torch.addcmul(quarter, z, z, value=0.25) / (spread * spread)
+    return blend, torch.addcmul(blend, blend, blend, value=-1.0) * steepness
 
 
 class _Frame(NamedTuple):
@@ -94,8 +101,8 @@ class _Frame(NamedTuple):
     quat: Tensor  # (E, 4) the result
     unit: Tensor  # (E, 3) r̂
     radius: Tensor  # (E, 1) sqrt(len² + eps²), r̂ = r / radius
-    charts: Tensor  # (E, 2, 4) unit q₊, q₋ (0 where degenerate)
-    inv_norm: Tensor  # (E, 2, 1) inverse chart norms before normalising (0 where degenerate)
+    charts: Tensor  # (E, 2, 4) unit q₊, q₋ (≈ 0 where degenerate)
+    chart_norm: Tensor  # (E, 2, 1) chart norms before normalising (floored where degenerate)
     align: Tensor  # (E, 1) ±1: the sign that aligns q₊ to q₋
     blend: Tensor  # (E, 1) b: weight of q₊
     blend_slope: Tensor | None  # (E, 1) ∂b/∂r̂_z (with slopes only)
@@ -108,30 +115,34 @@ def _frame_terms(edge_vec: Tensor, edge_len: Tensor, eps: float, *, slopes: bool
     from so2kernels._layout import device_constant
 
     device, dtype = edge_vec.device, edge_vec.dtype
-    radius = torch.sqrt(edge_len * edge_len + eps * eps).unsqueeze(-1)
+    radius = torch.hypot(edge_len, device_constant((eps,), device, dtype)).unsqueeze(-1)
     unit = edge_vec / radius
     raw = torch.addcmul(
         device_constant(_CHART_OFFSETS, device, dtype),
         unit.index_select(1, device_constant(_CHART_AXES, device, torch.int64)),
         device_constant(_CHART_SIGNS, device, dtype),
     ).view(-1, 2, 4)
-    # Rows of (near-)zero length get a zero inverse norm: 0 with zero gradient instead of NaN
-    # (such a chart always has blend weight exactly 0); the guarded rsqrt keeps NaN out of
-    # every derivative.
-    norm2 = (raw * raw).sum(dim=-1, keepdim=True)
-    degenerate = norm2 <= torch.finfo(dtype).tiny ** 0.5
-    inv_norm = torch.where(degenerate, 0.0, torch.rsqrt(torch.where(degenerate, 1.0, norm2)))
-    charts = raw * inv_norm
+    # A chart of (near-)zero length (r̂ at its singular pole) is divided by a floor instead of
+    # its norm: finite, with finite derivatives of every order, and it never matters, its blend
+    # weight being exactly 0 there (see _BLEND_SATURATION).
+    chart_norm = torch.linalg.vector_norm(raw, dim=-1, keepdim=True).clamp(
+        min=torch.finfo(dtype).tiny ** 0.25
+    )
+    charts = raw / chart_norm
     q_pos, q_neg = charts.unbind(1)
-    align = torch.where((q_pos * q_neg).sum(dim=-1, keepdim=True) < 0.0, -1.0, 1.0)
-    blend, blend_slope = _smooth_step_terms(0.5 * (unit[:, 2:] + 1.0), slope=slopes)
+    # q₊·q₋ = −2 r̂_x/(|q₊||q₋|) (the other products vanish exactly), so aligning q₊ to q₋
+    # flips it exactly where r̂_x > 0; no dot product needed.
+    align = torch.where(
+        unit[:, :1] > 0.0,
+        device_constant((-1.0,), device, dtype),
+        device_constant((1.0,), device, dtype),
+    )
+    blend, blend_slope = _pole_blend_terms(unit[:, 2:], slope=slopes)
     # lerp is exactly q₋ at weight 0 and exactly the aligned q₊ at weight 1 (the poles).
     mixed = torch.lerp(q_neg, align * q_pos, blend)
     mixed_norm: Tensor = torch.linalg.vector_norm(mixed, dim=-1, keepdim=True)
-    if blend_slope is not None:
-        blend_slope = 0.5 * blend_slope  # b = s((r̂_z + 1)/2)
     return _Frame(
-        mixed / mixed_norm, unit, radius, charts, inv_norm, align, blend, blend_slope,
+        mixed / mixed_norm, unit, radius, charts, chart_norm, align, blend, blend_slope,
         mixed_norm,
     )  # fmt: skip
 
@@ -152,7 +163,7 @@ def _frame_vjp(frame: _Frame, edge_len: Tensor, grad: Tensor) -> tuple[Tensor, T
     weights = torch.cat([frame.blend * frame.align, 1.0 - frame.blend], dim=1).unsqueeze(-1)
     grad_charts = grad_mixed.unsqueeze(1) * weights  # (E, 2, 4)
     radial = (charts * grad_charts).sum(dim=-1, keepdim=True)
-    grad_raw = (grad_charts - charts * radial) * frame.inv_norm
+    grad_raw = (grad_charts - charts * radial) / frame.chart_norm
     assert frame.blend_slope is not None
     # One product folds the signed gather of both charts and the blend's r̂_z dependence back
     # onto r̂: rows 0..7 the chart entries, row 8 the blend.
@@ -370,16 +381,21 @@ def _gather_index(exponents: NDArray[np.int64], max_power: int) -> NDArray[np.in
 
 @cache
 def _device_value_table(
-    degrees: tuple[int, ...], device: torch.device, dtype: torch.dtype
+    degrees: tuple[int, ...], lmax: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """Gather index (4·n,) int64 and coefficients (n, S) of :func:`_value_table` on ``device``:
-    uploaded once (read-only), as normal tensors even when first asked for in inference mode."""
+    """Gather index (4·n,) int64 and the coefficients of :func:`_value_table` scattered to the
+    flat positions of a ``(D, D)`` matrix, ``D = (lmax+1)²``: (n, D·D), zero off ``degrees``'
+    blocks, so one GEMM writes the dense block-diagonal matrix (no zero fill and scatter).
+    Uploaded once (read-only), as normal tensors even when first asked for in inference mode."""
     exponents, coeffs = _value_table(degrees)
     index = _gather_index(exponents, 2 * max(degrees))
+    dim = (lmax + 1) ** 2
+    dense = np.zeros((len(exponents), dim * dim))
+    dense[:, _flat_block_positions(degrees, dim)] = coeffs
     with torch.inference_mode(False), torch.no_grad():
         return (
             torch.from_numpy(index).to(device),
-            torch.from_numpy(coeffs).to(device=device, dtype=dtype),
+            torch.from_numpy(dense).to(device=device, dtype=dtype),
         )
 
 
@@ -398,18 +414,23 @@ def _device_derivative_table(
         )
 
 
+def _flat_block_positions(degrees: tuple[int, ...], dim: int) -> NDArray[np.int64]:
+    """Flat positions in a (dim, dim) matrix of the entries of the blocks of ``degrees``,
+    block-major, row-major within a block."""
+    index = []
+    for l in degrees:
+        rows = np.arange(l * l, (l + 1) ** 2)
+        index.append((rows[:, None] * dim + rows[None, :]).ravel())
+    return np.concatenate(index)
+
+
 @cache
 def _block_positions(lmax: int, device: torch.device) -> Tensor:
     """Flat positions in a (D, D) matrix of the entries of blocks l = 0..lmax, block-major
     (uploaded once, read-only)."""
-    dim = (lmax + 1) ** 2
-    index = []
-    for l in range(lmax + 1):
-        start, size = l * l, 2 * l + 1
-        rows = np.arange(start, start + size)
-        index.append((rows[:, None] * dim + rows[None, :]).ravel())
+    positions = _flat_block_positions(tuple(range(lmax + 1)), (lmax + 1) ** 2)
     with torch.inference_mode(False), torch.no_grad():
-        return torch.from_numpy(np.concatenate(index)).to(device)
+        return torch.from_numpy(positions).to(device)
 
 
 @cache
@@ -427,41 +448,44 @@ def _block_coordinates(lmax: int, device: torch.device) -> tuple[Tensor, Tensor]
 def _monomials(q: Tensor, gather_index: Tensor, max_power: int) -> Tensor:
     """(E, n) products ``Π_c q_c^{k_c}`` of the monomials addressed by ``gather_index``.
 
-    Powers come from repeated multiplication: unlike ``pow``, every derivative order stays
-    finite at q_c = 0 (the poles have exact zeros). One gather serves all four components."""
-    steps = [torch.ones_like(q), q]
-    for _ in range(2, max_power + 1):
-        steps.append(steps[-1] * q)
+    All powers ``q_c^0..q_c^max_power`` are one ``pow`` against a constant exponent row: its
+    derivative masks the zero exponents (``0·q^-1`` is never formed), so every derivative order
+    stays finite at q_c = 0 (the poles have exact zeros). One gather serves all four components."""
+    # Imported here for the reason given in edge_cache.EdgeCache.reduced_wigner.
+    from so2kernels._layout import device_constant
+
+    exponents = device_constant(tuple(float(k) for k in range(max_power + 1)), q.device, q.dtype)
     n_monomials = gather_index.shape[0] // 4  # explicit: with no edges -1 would be ambiguous
-    powers = torch.stack(steps[: max_power + 1], dim=-1).flatten(1)  # (E, 4·(max_power+1))
+    powers = q[:, :, None].pow(exponents).flatten(1)  # (E, 4·(max_power+1))
     w, x, y, z = powers.index_select(1, gather_index).view(q.shape[0], 4, n_monomials).unbind(1)
     return w * x * y * z
 
 
-def _block_values(q: Tensor, lmax: int) -> Tensor:
-    """(E, Σ(2l+1)²) entries of the blocks l = 0..lmax, block-major, in q's dtype."""
-    parts = []
+def _dense_values(q: Tensor, lmax: int) -> Tensor:
+    """(E, D·D) the flattened block-diagonal matrix, in q's dtype: one GEMM per dtype group,
+    whose off-group entries are exact zeros (so the groups' sum is exact)."""
+    total: Tensor | None = None
     for degrees, dtype in _degree_groups(lmax, q.dtype):
-        index, coeffs = _device_value_table(degrees, q.device, dtype)
-        parts.append((_monomials(q.to(dtype), index, 2 * max(degrees)) @ coeffs).to(q.dtype))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        index, coeffs = _device_value_table(degrees, lmax, q.device, dtype)
+        part = (_monomials(q.to(dtype), index, 2 * max(degrees)) @ coeffs).to(q.dtype)
+        total = part if total is None else total + part
+    assert total is not None
+    return total
 
 
 def wigner_blocks(q: Tensor, lmax: int) -> list[Tensor]:
-    """Per-degree real Wigner-D blocks ``[(E, 2l+1, 2l+1) for l in 0..lmax]`` in q's dtype."""
+    """Per-degree real Wigner-D blocks ``[(E, 2l+1, 2l+1) for l in 0..lmax]`` in q's dtype
+    (views of the dense matrix)."""
     if not 0 <= lmax <= MAX_LMAX:
         raise ValueError(f"wigner_d supports lmax in 0..{MAX_LMAX}, got {lmax}")
-    sizes = [(2 * l + 1) ** 2 for l in range(lmax + 1)]
-    flat = torch.split(_block_values(q, lmax), sizes, dim=1)
-    return [b.view(q.shape[0], 2 * l + 1, 2 * l + 1) for l, b in enumerate(flat)]
+    dense = _dense_with_autograd(q, lmax)
+    return [dense[:, l * l : (l + 1) ** 2, l * l : (l + 1) ** 2] for l in range(lmax + 1)]
 
 
 def _dense_with_autograd(q: Tensor, lmax: int) -> Tensor:
-    """(E, D, D) block-diagonal assembly of :func:`wigner_blocks`, differentiable."""
-    n_edges, dim = q.shape[0], (lmax + 1) ** 2
-    flat = torch.zeros(n_edges, dim * dim, dtype=q.dtype, device=q.device)
-    flat = flat.index_copy(1, _block_positions(lmax, q.device), _block_values(q, lmax))
-    return flat.view(n_edges, dim, dim)
+    """(E, D, D) block-diagonal Wigner-D, differentiable."""
+    dim = (lmax + 1) ** 2
+    return _dense_values(q, lmax).view(q.shape[0], dim, dim)
 
 
 def _dense_in_chunks(q: Tensor, lmax: int) -> Tensor:
@@ -471,11 +495,10 @@ def _dense_in_chunks(q: Tensor, lmax: int) -> Tensor:
     chunk = max(1, _CHUNK_FLOAT64_ENTRIES // n_monomials)
     if n_edges <= chunk:
         return _dense_with_autograd(q, lmax)
-    out = torch.zeros(n_edges, dim * dim, dtype=q.dtype, device=q.device)
-    positions = _block_positions(lmax, q.device)
+    out = torch.empty(n_edges, dim * dim, dtype=q.dtype, device=q.device)
     for start in range(0, n_edges, chunk):
         rows = slice(start, min(start + chunk, n_edges))
-        out[rows].index_copy_(1, positions, _block_values(q[rows], lmax))
+        out[rows] = _dense_values(q[rows], lmax)
     return out.view(n_edges, dim, dim)
 
 

@@ -9,7 +9,6 @@ the caller (Potential).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -33,6 +32,7 @@ from service.model.layers.ffn import GatedGLUFFN, make_ffn
 from service.model.layers.geometry import EdgeCacheLike
 from service.model.layers.linear import MLP, Dense
 from service.model.layers.norms import EquivariantRMSNorm
+from service.model.layers.pointwise import log_envelope_bias, multiply_add
 from service.model.layers.so2conv import ConvEdgeInputs, EdgeOps, SO2Convolution
 from so2kernels.mixing_stack import StackPrecision
 
@@ -179,7 +179,8 @@ class DPA4Model(nn.Module):
         if taps is not None:
             taps["descriptor"] = descriptor
             taps["fitting_net_raw"] = raw
-        return raw.double() + self.energy_bias[types]
+        # One mixed-precision add (the float32 raw energies are widened exactly in the kernel).
+        return self.energy_bias[types] + raw
 
     def convolutions(self) -> list[SO2Convolution]:
         """Every block's SO(2) convolution, in block order."""
@@ -247,7 +248,8 @@ class DPA4Model(nn.Module):
         inv_length = torch.reciprocal(cache.length)
         rbf = self.radial_basis(cache.length, inv_length, cache.env_rbf)
         head, pair_terms = self.edge_maps(live=live)
-        projected = self.radial_mlp.hidden(rbf) @ head
+        radial_hidden, rbf_features = self._open_radial_mlps(rbf, live=live)
+        projected = radial_hidden @ head
         envelope = cache.env if cfg.version >= 1.1 else None
         if self.env_seed is None:
             columns = projected
@@ -256,7 +258,8 @@ class DPA4Model(nn.Module):
             degree_rows, columns = projected.split_with_sizes(
                 [lmax * c, projected.shape[1] - lmax * c], dim=1
             )
-            logits = self.env_seed(cache, inv_length, rbf, pair, fused=fused, live=live)
+            assert rbf_features is not None
+            logits = self.env_seed(cache, inv_length, rbf_features, pair, fused=fused, live=live)
             x0_scalar = film(type_feat, logits, self.film_coefficients(live=live))
             rows = degree_rows.view(-1, lmax, c)
             gie = geometric_initial_embedding(cache, rows, envelope, fused=fused)
@@ -267,8 +270,30 @@ class DPA4Model(nn.Module):
         if envelope is None:
             columns = columns + pair_terms[pair]
         else:
-            columns = torch.addcmul(pair_terms[pair], columns, envelope[:, None])
+            columns = multiply_add(pair_terms[pair], columns, envelope[:, None])
         return x, self._conv_inputs(columns, cache, fused=fused)
+
+    def _open_radial_mlps(self, rbf: Tensor, *, live: bool) -> tuple[Tensor, Tensor | None]:
+        """``(radial MLP's last hidden layer (E, Hr), env seed's rbf_proj(rbf) (E, rbf_out) or
+        None)``. Both MLPs open with ``SiLU(rbf @ W)`` on the same basis: their first layers run
+        as one GEMM and one SiLU (concatenated weights, cached unless ``live``), and the
+        backward joins both gradients in one GEMM instead of two and a sum."""
+        seed = self.env_seed
+        if seed is None:
+            return self.radial_mlp.hidden(rbf), None
+        if len(self.radial_mlp.layers) < 2:
+            return self.radial_mlp.hidden(rbf), seed.rbf_proj(rbf)
+        radial_first, seed_first = self.radial_mlp.dense(0).matrix, seed.rbf_proj.dense(0).matrix
+        first = derived_weights(
+            self, "first_radial_layers", (radial_first, seed_first),
+            lambda: torch.cat([radial_first, seed_first], dim=1), live=live,
+        )  # fmt: skip
+        opened = F.silu(rbf @ first)
+        radial, projected = opened.split_with_sizes(
+            [radial_first.shape[1], seed_first.shape[1]], dim=1
+        )
+        rbf_features = seed.rbf_proj.last(seed.rbf_proj.hidden_after_first(projected))
+        return self.radial_mlp.hidden_after_first(radial), rbf_features
 
     def _conv_inputs(
         self, columns: Tensor, cache: EdgeCacheLike, *, fused: bool
@@ -286,11 +311,8 @@ class DPA4Model(nn.Module):
         unit_alpha = env.new_ones(env.shape[0], 1) if self.config.n_focus == 1 else None
         terms: list[Tensor]
         if any(logit_widths):
-            # 2·log env joins every block's logit bias once; −inf where env = 0 (the inner where
-            # keeps the log's gradient finite there).
-            active = env > 0
-            log_env = torch.where(active, torch.log(torch.where(active, env, 1.0)), -math.inf)
-            biases = torch.add(pieces[-1], log_env[:, None], alpha=2.0)
+            # 2·log env joins every block's logit bias once; −inf where env = 0.
+            biases = log_envelope_bias(pieces[-1], env)
             terms = list(biases.split_with_sizes(logit_widths, dim=1))
         else:
             ops = EdgeOps(whole_graph(cache.graph), fused)

@@ -8,7 +8,11 @@ attention normalised per node, cached derived weights) so only real regressions 
 tighten them when the counts drop. History (model forward / backward / whole step, this
 config): reference 409/684/1749 → 345/539/1540 (2026-11-29) → 344/518/1484 → 267/391/1280
 (2026-11-30); fused 251/348/1222 → 176/232/1031 (2026-11-30). Whole step after closed-form
-envelope and edge-frame backwards (2026-11-30): fused 722 → 641, reference 971 → 891.
+envelope and edge-frame backwards (2026-11-30): fused 722 → 641, reference 971 → 891. Glue
+pass (2026-11-30, issue #4): envelopes as one pow + one GEMM (no cumprod scan), mask-free pole
+blend and chart norms, dense-column Wigner GEMM, closed-form length and degree backwards,
+addcmul-free multiply-adds, two-launch log-envelope bias, shared first radial layer, closed-form
+env-seed vectors: fused 176/232/641 → 168/221/565, reference 267/391/891 → 259/380/815.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ CONFIG = ModelConfig(
 )  # fmt: skip
 
 # (model forward, model backward, whole step) upper bounds per path, ~6 % above the counts on
-# torch 2.13 (2026-11-30: 176 / 232 / 641 fused, 267 / 391 / 891 reference).
-BUDGETS = {"reference": (285, 415, 945), "fused": (188, 248, 680)}
+# torch 2.13 (2026-11-30: 168 / 221 / 565 fused, 259 / 380 / 815 reference).
+BUDGETS = {"reference": (275, 403, 864), "fused": (178, 234, 599)}
 
 
 def _water_cluster() -> Structures:

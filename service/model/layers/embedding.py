@@ -16,11 +16,13 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx
 
 from service.model.config import ModelConfig
 from service.model.layers.derived import derived_weights
 from service.model.layers.geometry import EdgeCacheLike, sum_into_dst
 from service.model.layers.linear import MLP, Dense
+from service.model.layers.pointwise import multiply_add
 from so2kernels._layout import device_constant
 from so2kernels.outer_sum import segment_outer_sum
 
@@ -88,21 +90,24 @@ class EnvSeed(nn.Module):
         self,
         cache: EdgeCacheLike,
         inv_length: Tensor,
-        rbf: Tensor,
+        rbf_features: Tensor,
         pair: Tensor,
         *,
         fused: bool,
         live: bool = True,
     ) -> Tensor:
-        """FiLM logits ``(N, 2C)`` from ``1/length (E,)``, the radial basis ``rbf (E, n_radial)``
-        and the edges' type pair index ``pair (E,)`` (``src_type·(T+1) + dst_type``); ``fused``
-        sums over each centre's edges with the CSR op."""
+        """FiLM logits ``(N, 2C)`` from ``1/length (E,)``, the projected radial basis
+        ``rbf_features = rbf_proj(rbf) (E, rbf_out)`` (the caller runs ``rbf_proj``, whose first
+        layer it shares with the radial MLP's) and the edges' type pair index ``pair (E,)``
+        (``src_type·(T+1) + dst_type``); ``fused`` sums over each centre's edges with the CSR
+        op."""
         g = cache.graph
         # r̃ = [s, s·r̂] with s = env/r; the cache's length is sqrt(|r|² + eps²) (§3).
-        s = cache.env * inv_length
-        r_tilde = torch.cat([s[:, None], cache.vec * (s * inv_length)[:, None]], dim=1)  # (E, 4)
+        r_tilde = seed_vectors(cache.vec, cache.env, inv_length)  # (E, 4)
         first = self.filter.dense(0).matrix[: self.rbf_out]
-        pre = torch.addmm(self.filter_pair_terms(live=live)[pair], self.rbf_proj(rbf), first)
+        # In place on the fresh gather: an out-of-place addmm with a full-size addend copies it
+        # into its result before the GEMM (one more launch on CUDA).
+        pre = self.filter_pair_terms(live=live)[pair].addmm_(rbf_features, first)
         filt = self.filter.last(F.silu(pre))  # (E, embed)
         if fused:
             # Every r̃ component multiplies the one filter row: no (E, 4, embed) message.
@@ -117,6 +122,45 @@ class EnvSeed(nn.Module):
         return logits
 
 
+def seed_vectors(vec: Tensor, env: Tensor, inv_length: Tensor) -> Tensor:
+    """(E, 4) ``r̃ = [s, s·r/len]`` with ``s = env/len``, from ``vec (E, 3)``, ``env (E,)`` and
+    ``1/len (E,)`` (§3). Backward in closed form (eight launches; autograd takes ten): with
+    ``t = env/len²``, ``g_r = g_v·t``, ``d = Σ g_v·r``, ``g_env = (g_s + d/len)/len`` and
+    ``g_{1/len} = env·(g_s + 2d/len)``; differentiable ops, so double backward works."""
+    out: Tensor = _SeedVectors.apply(vec, env, inv_length)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _SeedVectors(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, vec: Tensor, env: Tensor, inv_length: Tensor) -> Tensor:
+        s = env * inv_length
+        t = s * inv_length
+        # t is saved for a first-order backward; under create_graph it is recomputed from the
+        # inputs so that its own derivative is recorded.
+        ctx.save_for_backward(vec, env, inv_length, t)
+        return torch.cat([s[:, None], vec * t[:, None]], dim=1)
+
+    @staticmethod
+    def backward(
+        ctx: FunctionCtx, grad: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        vec, env, inv_length, t = ctx.saved_tensors  # type: ignore[attr-defined]
+        want_vec, want_env, want_inv = ctx.needs_input_grad  # type: ignore[attr-defined]
+        if torch.is_grad_enabled():
+            t = env * inv_length * inv_length
+        grad_s, grad_v = grad[:, 0], grad[:, 1:]
+        grad_vec = grad_v * t[:, None] if want_vec else None
+        grad_env = grad_inv = None
+        if want_env or want_inv:
+            along = (grad_v * vec).sum(dim=1)
+            if want_env:
+                grad_env = torch.addcmul(grad_s, along, inv_length) * inv_length
+            if want_inv:
+                grad_inv = torch.addcmul(grad_s, along, inv_length, value=2.0) * env
+        return grad_vec, grad_env, grad_inv
+
+
 def film_coefficients(scale_log: Tensor, shift_log: Tensor, channels: int) -> Tensor:
     """``(2C,)``: ``e^a`` on the scale half and ``e^b`` on the shift half of the FiLM logits."""
     return torch.cat([scale_log.exp().expand(channels), shift_log.exp().expand(channels)])
@@ -128,7 +172,7 @@ def film(type_feat: Tensor, logits: Tensor, coefficients: Tensor) -> Tensor:
     scaled = torch.tanh(logits) * coefficients
     channels = type_feat.shape[-1]
     scale, shift = scaled.split_with_sizes([channels, channels], dim=1)
-    return torch.addcmul(shift, type_feat, scale + 1.0)
+    return multiply_add(shift, type_feat, scale + 1.0)
 
 
 def geometric_initial_embedding(

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from service.model.layers.linear import DegreeLinear, degree_of_packed_rows
+from service.model.layers.pointwise import multiply_add
 from service.model.layers.sphere import s2_grid_projectors
 
 
@@ -85,7 +86,7 @@ class S2GridGLUFFN(nn.Module):
         # The scalar GLU joins the l=0 row as a zero-padded (N, D, H) term: its backward is one
         # slice copy, where an indicator product would take a product and a reduction.
         scalar_term = F.pad(glu0[:, None, :], (0, 0, 0, out.shape[1] - 1))
-        out = torch.addcmul(scalar_term, out, gate)
+        out = multiply_add(scalar_term, out, gate)
         projected: Tensor = self.linear_out(out, live=live)
         return projected
 

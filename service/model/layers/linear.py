@@ -112,6 +112,15 @@ class MLP(nn.Module):
             x = F.silu(layer(x))
         return x
 
+    def hidden_after_first(self, opened: Tensor) -> Tensor:
+        """:meth:`hidden` given ``opened = SiLU(first layer(x))`` (two or more layers): callers
+        that open several MLPs on one input run their first layers as one GEMM."""
+        if len(self.layers) < 2:
+            raise ValueError("an MLP with a single layer has no opening activation")
+        for layer in self.layers[1:-1]:
+            opened = F.silu(layer(opened))
+        return opened
+
     def dense(self, index: int) -> Dense:
         """Layer ``index`` (negative counts from the end)."""
         layer = self.layers[index]
