@@ -18,7 +18,8 @@ counts, ``SO2SERVE_*`` settings) to test a suspect.
    forces + stress, through the ASE calculators: ``SO2LocalCalculator`` (in process) against
    ``SO2Calculator`` (HTTP, JSON and msgpack); medians, overhead = HTTP − in-process.
    Target: ≤ 1 ms at ≤ 1k atoms. The same potential is also timed behind the engine in this
-   process (``Engine.evaluate``: admission, worker thread, host results, no HTTP), which
+   process (``Engine.evaluate`` as a lone keyed client: admission, the pass inline as a lone
+   HTTP client's, host results, no HTTP), which
    splits the overhead into the engine's share (engine − calculator) and HTTP's (round trip
    − engine), and the worker's compute time into the same step with and without a server.
 2. Throughput with 192-atom structures: 1, 8 and 64 concurrent HTTP clients (sequential, each
@@ -32,14 +33,20 @@ counts, ``SO2SERVE_*`` settings) to test a suspect.
 Server-side phases come with every case: the medians of each answer's
 ``provenance.timings`` (read, decode, admit, queue, compute, handoff, total) plus the mean response
 encoding time and, for the throughput points, the mean requests and atoms per device pass,
-pass time and queue wait, all from ``/metrics`` differences around the case. What the round
-trip leaves beyond the server's own time (``client_and_transport_ms``) is the client
-(encoding, decoding, ASE bookkeeping) and loopback HTTP. ``http_echo`` gives that floor: the
-same request bytes to a bare app served like the service, answered at once and after a wait
-in a device-like thread (``wake_ms``: what the server's thread hops cost after a pass-long
-sleep). ``engine_in_process.interleaved_192`` alternates engine requests with the same
-``predict`` called directly, so that the engine's own compute cost and the validation in
-flow are measured without the device's drift between phases.
+pass time and queue wait, all from ``/metrics`` differences around the case; ``inline_share``
+is the share of answers whose pass ran on the server's event loop (a lone client, see
+``service.engine.batcher``), ``client_cpu_ms`` the calculator's CPU time per call. The
+calculator polls for its answer near the time it is due (``spin_lead_ms``, its default);
+``<n>/msgpack-sleep`` is the same case with a calculator that sleeps until the answer
+arrives, alternated with ``<n>/msgpack``. What the round trip leaves beyond the server's own
+time (``client_and_transport_ms``) is the client (encoding, decoding, ASE bookkeeping) and
+loopback HTTP. ``http_echo`` gives that floor: the same request bytes to a bare app served
+like the service, answered at once and after a wait in a device-like thread or busy on the
+event loop, with a sleeping or polling client (``wake_ms``: what waking up costs after a
+pass-long sleep). ``engine_in_process.interleaved_192`` alternates engine requests (in the
+worker thread, and inline as a lone keyed client) with the same ``predict`` called directly,
+so that the engine's own compute cost and the validation in flow are measured without the
+device's drift between phases.
 
 The default run takes about 3 minutes on an H200 with the current model step; ``--quick``
 (fewer repeats, shorter throughput windows) about half that.
@@ -97,6 +104,7 @@ sys.path.insert(0, str(ROOT))
 
 from clients._connection import KeepAliveConnection  # noqa: E402
 from clients.http import (  # noqa: E402
+    DEFAULT_SPIN_LEAD_MS,
     SO2Calculator,
     decode_response,
     encode_request,
@@ -236,15 +244,24 @@ def make_engine(evaluator: Evaluator, metrics: Any, profiler: Any = None) -> Any
     )
 
 
+LONE_CLIENT = "bench"
+"""The key of the engine phase's sequential client: a keyed client that is alone has its
+passes run on the event loop (inline), as a lone HTTP client's are; anonymous requests run
+in the worker thread."""
+
+
 async def _engine_requests(engine: Any, atoms: Atoms, repeats: int) -> dict[str, float]:
-    """Medians (ms) of ``repeats`` sequential requests: validation + ``Engine.evaluate`` in
-    all, and the engine's phases as a server reports them."""
+    """Medians (ms) of ``repeats`` sequential requests of a lone keyed client: validation +
+    ``Engine.evaluate`` in all, and the engine's phases as a server reports them."""
     rows: list[dict[str, float]] = []
     for k in range(repeats + 2):
+        # The loop turns between requests, as it does between an HTTP client's (they come
+        # through its poll); the engine runs a pass inline only once it has.
+        await asyncio.sleep(0)
         start = time.perf_counter()
         structures = Structures.from_atoms([atoms])
         validated = time.perf_counter()
-        result = await engine.evaluate(structures, PROPERTIES)
+        result = await engine.evaluate(structures, PROPERTIES, client=LONE_CLIENT)
         resumed = time.perf_counter()
         if k >= 2:  # the first two: warm-up, as for every other timing here
             t = result.timings
@@ -264,13 +281,16 @@ async def _engine_requests(engine: Any, atoms: Atoms, repeats: int) -> dict[str,
 async def _interleaved_with_direct(
     engine: Any, evaluator: Evaluator, atoms: Atoms, repeats: int
 ) -> dict[str, float]:
-    """Engine requests alternating with the same predict called directly on this thread.
+    """Engine requests, in the worker thread and inline, alternating with the same predict
+    called directly on this thread.
 
-    Both sides validate the same structure right after a pass (``validate`` in flow: caches
-    cold as a server finds them, unlike the hot loop of ``in_process.validate_ms``) and make
-    the same host copies (``to_host``), so ``paired_compute_minus_direct_ms``, the median of
-    per-pair differences, is what running the step in the engine's worker thread costs;
-    phase-to-phase drift of the device (a millisecond on the H200 between phases) cancels.
+    Every side validates the same structure right after a pass (``validate`` in flow: caches
+    cold as a server finds them, unlike the hot loop of ``in_process.validate_ms``) and makes
+    the same host copies (``to_host``), so ``paired_compute_minus_direct_ms`` (worker thread:
+    an anonymous request) and ``paired_inline_compute_minus_direct_ms`` (a lone keyed client:
+    the pass on the loop thread), medians of per-step differences, are what running the step
+    in the engine costs either way; phase-to-phase drift of the device (a millisecond on the
+    H200 between phases) cancels. ``*_total_ms``: validation to result in hand.
     """
     from service.engine.worker import to_host
 
@@ -283,21 +303,30 @@ async def _interleaved_with_direct(
         prediction = evaluator.predict(structures, PROPERTIES)
         to_host({name: getattr(prediction, name) for name in names})
         predicted = time.perf_counter()
-        engine_start = time.perf_counter()
-        structures = Structures.from_atoms([atoms])
-        engine_validated = time.perf_counter()
-        result = await engine.evaluate(structures, PROPERTIES)
-        if k >= 2:
+        row = {
+            "direct_validate_ms": (validated - start) * 1e3,
+            "direct_predict_ms": (predicted - validated) * 1e3,
+            "direct_total_ms": (predicted - start) * 1e3,
+        }
+        for label, client in (("engine", None), ("inline", LONE_CLIENT)):
+            engine_start = time.perf_counter()
+            structures = Structures.from_atoms([atoms])
+            engine_validated = time.perf_counter()
+            result = await engine.evaluate(structures, PROPERTIES, client=client)
+            done = time.perf_counter()
             compute_ms = result.timings.compute_s * 1e3
-            rows.append(
-                {
-                    "direct_validate_ms": (validated - start) * 1e3,
-                    "direct_predict_ms": (predicted - validated) * 1e3,
-                    "engine_validate_ms": (engine_validated - engine_start) * 1e3,
-                    "engine_compute_ms": compute_ms,
-                    "paired_compute_minus_direct_ms": compute_ms - (predicted - validated) * 1e3,
-                }
-            )
+            row |= {
+                f"{label}_ran_inline": float(result.timings.inline),  # its median: 1 or 0
+                f"{label}_validate_ms": (engine_validated - engine_start) * 1e3,
+                f"{label}_compute_ms": compute_ms,
+                f"{label}_total_ms": (done - engine_start) * 1e3,
+            }
+        row["paired_compute_minus_direct_ms"] = row["engine_compute_ms"] - row["direct_predict_ms"]
+        row["paired_inline_compute_minus_direct_ms"] = (
+            row["inline_compute_ms"] - row["direct_predict_ms"]
+        )
+        if k >= 2:
+            rows.append(row)
     return {name: statistics.median(r[name] for r in rows) for name in rows[0]}
 
 
@@ -312,6 +341,7 @@ async def _engine_clients(engine: Any, clients: int, duration: float) -> tuple[i
     async def one(k: int) -> None:
         nonlocal done
         while time.perf_counter() < stop:
+            await asyncio.sleep(0)  # as between an HTTP client's requests (_engine_requests)
             structures = Structures.from_atoms([frames[k % len(frames)]])
             await engine.evaluate(structures, PROPERTIES, client=k)
             done += 1
@@ -438,11 +468,15 @@ _SERVER_TOTALS = (
     "so2serve_queue_wait_seconds",
     "so2serve_gather_wait_seconds",
 )
-_WANTED_TOTALS = {f"{name}{suffix}" for name in _SERVER_TOTALS for suffix in ("_sum", "_count")}
+INLINE_PASSES = "so2serve_inline_passes_total"
+_WANTED_TOTALS = {f"{name}{suffix}" for name in _SERVER_TOTALS for suffix in ("_sum", "_count")} | {
+    INLINE_PASSES
+}
 
 
 def server_totals(url: str) -> dict[str, float]:
-    """``_sum`` and ``_count`` of the server's unlabelled histograms in ``_SERVER_TOTALS``."""
+    """``_sum`` and ``_count`` of the server's unlabelled histograms in ``_SERVER_TOTALS``,
+    and its count of inline passes."""
     totals = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         name, _, value = line.partition(" ")
@@ -461,39 +495,80 @@ def mean_of(before: dict[str, float], after: dict[str, float], name: str) -> flo
     return (after[f"{name}_sum"] - before[f"{name}_sum"]) / count if count else None
 
 
-def http_round_trip(url: str, atoms: Atoms, wire: str, repeats: int) -> dict[str, Any]:
-    """Median SO2Calculator call, the server's median phases and its mean answer encoding."""
+def http_round_trip(
+    url: str, atoms: Atoms, wire: str, repeats: int, spin_lead_ms: float = DEFAULT_SPIN_LEAD_MS
+) -> dict[str, Any]:
+    """Median SO2Calculator call, the server's median phases, its mean answer encoding, the
+    share of answers whose pass ran inline (on the server's event loop), and the client's CPU
+    time per call (``spin_lead_ms``: the calculator's poll before the answer is due)."""
     timings: list[dict[str, float]] = []
-    with SO2Calculator(url, timeout=600, wire=wire) as calculator:  # type: ignore[arg-type]
+    inline: list[bool] = []
+    with SO2Calculator(
+        url,
+        timeout=600,
+        wire=wire,  # type: ignore[arg-type]
+        spin_lead_ms=spin_lead_ms,
+    ) as calculator:
         compute = calculator_step(calculator, atoms)
 
         def step() -> object:
             results = compute()
             assert calculator.provenance is not None
             timings.append(calculator.provenance["timings"])
+            inline.append(bool(calculator.provenance.get("inline")))
             return results
 
         before = server_totals(url)
+        cpu_before = time.process_time()
         total = median_ms(step, repeats)
+        client_cpu_ms = (time.process_time() - cpu_before) / len(timings) * 1e3
         after = server_totals(url)
-    server = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
+    timed = timings[-repeats:]  # as the round trip's median: without the warm-up calls
+    server = {k: statistics.median(t[k] for t in timed) for k in timed[0]}
     encode = mean_of(before, after, "so2serve_encode_seconds")
     server["encode_ms"] = (encode or 0.0) * 1e3
     return {
         "round_trip_ms": total,
         "server_ms": server,
         "client_and_transport_ms": total - server["total_ms"] - server["encode_ms"],
+        "inline_share": sum(inline[-repeats:]) / repeats,
+        "client_cpu_ms": client_cpu_ms,
     }
 
 
 def http_overhead_phase(url: str, sizes: list[int], repeats: int) -> dict[str, Any]:
+    """Per size: JSON and msgpack with the calculator's defaults, and (below ``LARGE``
+    atoms) msgpack with a calculator that sleeps until its answer arrives
+    (``msgpack-sleep``, ``spin_lead_ms=0``), interleaved with the default msgpack one."""
     rows: dict[str, Any] = {}
     for n in sizes:
         atoms = water_atoms(n)
-        for wire in ("json", "msgpack"):
-            reps = repeats_for(len(atoms), repeats)
-            rows[f"{len(atoms)}/{wire}"] = http_round_trip(url, atoms, wire, reps)
+        reps = repeats_for(len(atoms), repeats)
+        rows[f"{len(atoms)}/json"] = http_round_trip(url, atoms, "json", reps)
+        if len(atoms) >= LARGE:
+            rows[f"{len(atoms)}/msgpack"] = http_round_trip(url, atoms, "msgpack", reps)
+            continue
+        # Halves alternating with the sleeping client: the host drifts between cases.
+        halves: dict[str, list[dict[str, Any]]] = {"msgpack": [], "msgpack-sleep": []}
+        for _ in range(2):
+            for key, lead in (("msgpack", DEFAULT_SPIN_LEAD_MS), ("msgpack-sleep", 0.0)):
+                halves[key].append(
+                    http_round_trip(url, atoms, "msgpack", max(5, reps // 2), spin_lead_ms=lead)
+                )
+        for key, parts in halves.items():
+            rows[f"{len(atoms)}/{key}"] = _mean_rows(parts)
     return rows
+
+
+def _mean_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of equally shaped result rows (numbers and dicts of numbers)."""
+    out: dict[str, Any] = {}
+    for key, value in rows[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: statistics.fmean(r[key][k] for r in rows) for k in value}
+        else:
+            out[key] = statistics.fmean(r[key] for r in rows)
+    return out
 
 
 ECHO_PAYLOAD_BYTES = 5_100
@@ -503,8 +578,9 @@ ECHO_PAYLOAD_BYTES = 5_100
 def _serve_echo(port: int) -> None:
     """A bare ASGI app served as ``so2serve serve`` serves (uvicorn options, event loop,
     protocol): it reads the body, optionally holds the request in a device-like thread for
-    ``X-Delay-Ms`` (``DeviceThread``, the engine's hop there and back), and answers a fixed
-    payload, with the time really slept in ``X-Slept-Ms``."""
+    ``X-Delay-Ms`` (``DeviceThread``, the engine's hop there and back) or, with ``X-Inline``,
+    busy on the event loop itself for that long (a pass run inline, its thread never asleep),
+    and answers a fixed payload, with the time really held in ``X-Slept-Ms``."""
     import uvicorn
 
     from service.api import app as service_app
@@ -519,6 +595,12 @@ def _serve_echo(port: int) -> None:
         time.sleep(delay_s)
         return (time.perf_counter() - start) * 1e3
 
+    def busy_ms(delay_s: float) -> float:
+        start = time.perf_counter()
+        while time.perf_counter() - start < delay_s:
+            pass
+        return (time.perf_counter() - start) * 1e3
+
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
@@ -526,9 +608,12 @@ def _serve_echo(port: int) -> None:
         while more:
             message = await receive()
             more = message.get("more_body", False)
-        delay_ms = float(dict(scope["headers"]).get(b"x-delay-ms", b"0"))
+        headers_in = dict(scope["headers"])
+        delay_ms = float(headers_in.get(b"x-delay-ms", b"0"))
         slept_ms = 0.0
-        if delay_ms > 0:
+        if delay_ms > 0 and b"x-inline" in headers_in:
+            slept_ms = busy_ms(delay_ms * 1e-3)
+        elif delay_ms > 0:
             if not device:
                 device.append(DeviceThread("echo-device"))
             slept_ms = await device[0].run(functools.partial(sleep_ms, delay_ms * 1e-3))
@@ -547,46 +632,68 @@ def _serve_echo(port: int) -> None:
 def echo_phase(delays_ms: list[float], repeats: int) -> dict[str, Any]:
     """The HTTP floor, and what a long wait adds to it: round trips of a 192-atom request
     body to the bare app of ``_serve_echo`` over the calculator's connection, answered at
-    once and after a device-thread wait of each delay (the slept time subtracted).
+    once and after a wait of each delay (the time held subtracted): ``delay_*`` in a
+    device-like thread (the worker path), ``inline_*`` busy on the event loop (a lone
+    client's inline pass), ``inline_*_spin`` the same with the client polling for its answer
+    from the calculator's default lead before it is due. Cases alternate in rounds (the host
+    drifts).
 
-    ``wake_ms`` (a delay's round trip − the immediate one) is what waking up costs after
+    ``wake_ms`` (a case's round trip − the immediate one) is what waking up costs after
     that long asleep: the client in its socket read, the server's loop in its poll, the
     thread handoffs; on a machine whose idle cores drop into deep sleep states it grows
-    with the delay, and a real request pays it on every step.
+    with the delay, and a real request pays it on every step. ``client_cpu_ms``: the
+    client's CPU time per request of each case (what spinning costs).
     """
     port = free_port()
     server = multiprocessing.get_context("spawn").Process(target=_serve_echo, args=(port,))
     server.start()
     url = f"http://127.0.0.1:{port}"
     body = encode_request([encode_structure(water_atoms(192), True)], PROPERTIES, True)
-    rows: dict[str, Any] = {}
+    accept = {"Accept": "application/msgpack"}
+    sleeper = KeepAliveConnection(url, 60.0, accept)
+    spinner = KeepAliveConnection(url, 60.0, accept, spin_lead_s=DEFAULT_SPIN_LEAD_MS * 1e-3)
+    cases: list[tuple[str, KeepAliveConnection, dict[str, str]]] = [("delay_0_ms", sleeper, {})]
+    for delay in delays_ms:
+        held = {"X-Delay-Ms": repr(delay)}
+        cases += [
+            (f"delay_{delay:g}_ms", sleeper, held),
+            (f"inline_{delay:g}_ms", sleeper, held | {"X-Inline": "1"}),
+            (f"inline_{delay:g}_ms_spin", spinner, held | {"X-Inline": "1"}),
+        ]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    cpu_ms: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    rounds = 4
     try:
         deadline = time.monotonic() + 60
-        connection = KeepAliveConnection(url, 60.0, {"Accept": "application/msgpack"})
         while True:
             try:
-                connection.request("GET", "/")
+                sleeper.request("GET", "/")
                 break
             except Exception:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-        for delay in [0.0, *delays_ms]:
-            headers = {"Content-Type": "application/msgpack", "X-Delay-Ms": repr(delay)}
-            times: list[float] = []
-            for k in range(repeats + 5):
-                start = time.perf_counter()
-                reply = connection.request("POST", "/evaluate", body, headers)
-                elapsed_ms = (time.perf_counter() - start) * 1e3
-                if k >= 5:
-                    times.append(elapsed_ms - float(reply.header("x-slept-ms") or 0.0))
-            rows[f"delay_{delay:g}_ms"] = statistics.median(times)
-        connection.close()
+        for _ in range(rounds):
+            for name, connection, extra in cases:
+                headers = {"Content-Type": "application/msgpack", **extra}
+                per_round = max(5, repeats // rounds)
+                cpu_before = time.process_time()
+                for k in range(per_round + 5):
+                    start = time.perf_counter()
+                    reply = connection.request("POST", "/evaluate", body, headers)
+                    elapsed_ms = (time.perf_counter() - start) * 1e3
+                    if k >= 5:  # the first ones: warm-up (and the spinner's prediction)
+                        times[name].append(elapsed_ms - float(reply.header("x-slept-ms") or 0.0))
+                cpu_ms[name].append((time.process_time() - cpu_before) / (per_round + 5) * 1e3)
+        sleeper.close()
+        spinner.close()
     finally:
         server.terminate()
         server.join(30)
+    rows: dict[str, Any] = {name: statistics.median(values) for name, values in times.items()}
     floor = rows["delay_0_ms"]
     rows["wake_ms"] = {key: value - floor for key, value in rows.items() if key != "delay_0_ms"}
+    rows["client_cpu_ms"] = {name: statistics.median(values) for name, values in cpu_ms.items()}
     return rows
 
 
@@ -655,6 +762,7 @@ def server_row(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     gathered = "so2serve_gather_wait_seconds"
     return {
         "passes": after["so2serve_pass_seconds_count"] - before["so2serve_pass_seconds_count"],
+        "inline_passes": after.get(INLINE_PASSES, 0.0) - before.get(INLINE_PASSES, 0.0),
         "requests_per_pass": mean_of(before, after, "so2serve_batch_requests"),
         "atoms_per_pass": mean_of(before, after, "so2serve_batch_atoms"),
         "pass_ms": ms("so2serve_pass_seconds"),
@@ -927,6 +1035,14 @@ def fake_model_main(args: argparse.Namespace, phases: set[str]) -> None:
     print_summary(results.doc)
 
 
+FAKE_CASES = (
+    ("json", "json", DEFAULT_SPIN_LEAD_MS),
+    ("msgpack", "msgpack", DEFAULT_SPIN_LEAD_MS),
+    ("msgpack-sleep", "msgpack", 0.0),
+)
+"""Round-trip cases of the fake-model run: name, wire format, the calculator's spin lead."""
+
+
 def fake_round_trips(
     url: str, evaluator: NullEvaluator, sizes: list[int], repeats: int
 ) -> dict[str, Any]:
@@ -936,15 +1052,17 @@ def fake_round_trips(
     for n in sizes:
         atoms = water_atoms(n)
         in_process = median_ms(calculator_step(local, atoms), repeats)
-        for wire in ("json", "msgpack"):
-            http = http_round_trip(url, atoms, wire, repeats)
+        for name, wire, lead in FAKE_CASES:
+            http = http_round_trip(url, atoms, wire, repeats, spin_lead_ms=lead)
             round_trip = http["round_trip_ms"]
-            rows[f"{len(atoms)}/{wire}"] = {
+            rows[f"{len(atoms)}/{name}"] = {
                 "round_trip_ms": round_trip,
                 "in_process_ms": in_process,
                 "overhead_ms": round_trip - in_process,
                 "server_ms": http["server_ms"],
                 "client_and_transport_ms": http["client_and_transport_ms"],
+                "client_cpu_ms": http["client_cpu_ms"],
+                "inline_share": http["inline_share"],
                 # Each stage alone in this process.
                 "stages_ms": stage_breakdown(atoms, wire == "msgpack", repeats),
             }
@@ -1244,7 +1362,12 @@ def print_summary(doc: dict[str, Any]) -> None:
                 f"{key:>14} {row['round_trip_ms']:10.3f} "
                 + " ".join(f"{c:{w}.3f}" for c, w in zip(cells, (9, 8, 8, 9), strict=True))
             )
-            phases = {**row["server_ms"], "client+transport": row["client_and_transport_ms"]}
+            phases = {
+                **row["server_ms"],
+                "client+transport": row["client_and_transport_ms"],
+                "client CPU": row.get("client_cpu_ms", float("nan")),
+                "inline share": row.get("inline_share", float("nan")),
+            }
             print(
                 " " * 16 + ", ".join(f"{k.removesuffix('_ms')} {v:.3f}" for k, v in phases.items())
             )
@@ -1252,6 +1375,8 @@ def print_summary(doc: dict[str, Any]) -> None:
     if echo:
         wake = ", ".join(f"{k} {v:.3f}" for k, v in echo["wake_ms"].items())
         print(f"bare HTTP echo: {echo['delay_0_ms']:.3f} ms; added after a wait: {wake}")
+        cpu = ", ".join(f"{k} {v:.3f}" for k, v in echo.get("client_cpu_ms", {}).items())
+        print(f"echo client CPU per request (ms): {cpu}")
     interleaved = doc.get("engine_in_process", {}).get("interleaved_192")
     if interleaved:
         print(

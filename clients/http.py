@@ -33,6 +33,12 @@ _MSGPACK = "application/msgpack"
 _TRANSIENT_STATUS = frozenset((502, 503, 504))
 _FLOAT64_LE = np.dtype("<f8")
 
+DEFAULT_SPIN_LEAD_MS = 0.4
+"""On a 2-core VM against a lone-client server busy for 2–9 ms per request, polling from
+0.4 ms before the answer was due cut the answer's wake-up delay from 0.18–0.33 ms to
+0.11–0.29 ms (every one of six interleaved comparisons) for +0.3–0.4 ms of client CPU per
+request (``benchmarks/service.py``, ``http_echo``)."""
+
 
 class ServiceError(CalculationFailed):
     """The service refused or failed a request; ``code``/``status``/``detail`` say why."""
@@ -143,6 +149,12 @@ class SO2Calculator(Calculator):
         wire: ``"msgpack"`` (raw binary arrays both ways) or ``"json"``.
         retries: attempts after the first on transient failures.
         backoff_s: first retry delay, doubled each attempt.
+        spin_lead_ms: poll the socket from this long before the answer is due (predicted from
+            the last answer to a request of the same size) instead of sleeping through the
+            server's pass, so that the answer is not read late by a thread waking from a deep
+            sleep state (0.1–0.4 ms on some hosts). Costs about 0.3–0.4 ms of one core's CPU
+            time per call (at most twice this lead plus the poll calls) and, in a threaded
+            client, that much interpreter time; 0 sleeps. See ``clients/_connection.py``.
     """
 
     implemented_properties = IMPLEMENTED_PROPERTIES
@@ -156,6 +168,7 @@ class SO2Calculator(Calculator):
         wire: WireChoice = "msgpack",
         retries: int = 3,
         backoff_s: float = 0.25,
+        spin_lead_ms: float = DEFAULT_SPIN_LEAD_MS,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
@@ -169,7 +182,7 @@ class SO2Calculator(Calculator):
         self.retries = retries
         self.backoff_s = backoff_s
         self.provenance: dict[str, Any] | None = None
-        self._http = KeepAliveConnection(url, timeout, headers)
+        self._http = KeepAliveConnection(url, timeout, headers, spin_lead_s=spin_lead_ms * 1e-3)
 
     def calculate(
         self,

@@ -58,6 +58,10 @@ def serve(
         float | None, typer.Option(help="longest wait to fill a batch")
     ] = None,
     max_queue: Annotated[int | None, typer.Option(help="queued requests; above → 503")] = None,
+    inline_max_atoms: Annotated[
+        int | None,
+        typer.Option(help="largest lone request run on the event loop (0: always the worker)"),
+    ] = None,
     max_body_mb: Annotated[float | None, typer.Option(help="largest request body")] = None,
     no_warm_up: Annotated[bool, typer.Option("--no-warm-up", help="skip the warm-up pass")] = False,
     log_level: Annotated[
@@ -81,6 +85,7 @@ def serve(
         "max_batch_edges": max_batch_edges,
         "batch_window_ms": batch_window_ms,
         "max_queue": max_queue,
+        "inline_max_atoms": inline_max_atoms,
         "max_body_mb": max_body_mb,
         "log_level": log_level,
         "insecure": insecure or None,

@@ -97,6 +97,7 @@ def batch_limits(settings: ServiceSettings) -> BatchLimits:
         max_batch_edges=settings.max_batch_edges,
         window_s=settings.batch_window_ms * 1e-3,
         max_queue=settings.max_queue,
+        inline_max_atoms=settings.inline_max_atoms,
     )
 
 

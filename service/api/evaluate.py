@@ -13,9 +13,10 @@ estimate), ``queue`` (admission → first device pass),
 ``compute`` (device passes that carried the request, shared with the others in them),
 ``handoff`` (last pass ended in the worker thread → this handler runs again), split into
 ``return`` (pass ended → the event loop set the result) and ``resume`` (result set → this
-handler runs), ``total`` (arrival → answer ready to encode). Encoding the answer and handing
-it to the HTTP server are observed in the ``so2serve_encode_seconds`` and
-``so2serve_respond_seconds`` histograms.
+handler runs), ``total`` (arrival → answer ready to encode); ``provenance.inline`` says
+whether the pass ran on the event loop itself (a lone client: no thread hop, handoff ≈ 0).
+Encoding the answer and handing it to the HTTP server are observed in the
+``so2serve_encode_seconds`` and ``so2serve_respond_seconds`` histograms.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from starlette.types import Receive, Scope, Send
 
 from service.api.deps import ServiceState, engine_when_ready, request_id_from, require_api_key
@@ -143,7 +145,8 @@ class EvaluateEndpoint:
         if result is None:
             return None
         resumed = time.perf_counter()
-        periodic = structures.pbc.all(dim=1).numpy()
+        # (B,) periodic along all axes; numpy: a fraction of a torch op's dispatch cost
+        periodic = np.logical_and.reduce(structures.pbc.numpy(), axis=1)
         timings = _timings(result, started, read, decoded, resumed)
         document = {
             "results": structure_results(result, parsed.properties, periodic),
@@ -153,6 +156,7 @@ class EvaluateEndpoint:
                 **state.provenance,
                 "timings": timings,
                 "passes": result.timings.passes,
+                "inline": result.timings.inline,
             },
         }
         payload = encode(document, fmt_out)
@@ -234,8 +238,11 @@ async def _unless_disconnected(
 
     Once the body is read, the next ASGI message is ``http.disconnect``, which arrives only
     when the connection drops; cancelling the evaluation withdraws whatever has not started.
-    A done-callback links the two (no ``asyncio.wait`` and its waiter per request).
+    A done-callback links the two (no ``asyncio.wait`` and its waiter per request). A pass
+    run inline has finished inside ``submit``: there is nothing left to cancel or watch.
     """
+    if evaluation.done():
+        return evaluation.result()
     watcher = asyncio.ensure_future(_disconnected(receive))
     watcher.add_done_callback(lambda w: None if w.cancelled() else evaluation.cancel())
     try:

@@ -61,6 +61,7 @@ async def info(state: State, engine: EngineDep) -> Response:
             "max_batch_edges": limits.max_batch_edges,
             "batch_window_ms": limits.window_s * 1e3,
             "max_queue": limits.max_queue,
+            "inline_max_atoms": limits.inline_max_atoms,
             "max_body_bytes": state.settings.max_body_bytes,
         },
         "auth_required": state.settings.api_key is not None,

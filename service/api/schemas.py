@@ -159,6 +159,10 @@ class Provenance(BaseModel):
     execution: Execution
     timings: Timings
     passes: int = Field(description="device passes this request was spread over")
+    inline: bool = Field(
+        description="its pass ran on the server's event loop (a lone client) rather than "
+        "in the device worker thread"
+    )
 
 
 class EvaluateResponse(BaseModel):
@@ -182,6 +186,7 @@ class Limits(BaseModel):
     max_batch_edges: int
     batch_window_ms: float
     max_queue: int
+    inline_max_atoms: int
     max_body_bytes: int
 
 

@@ -62,6 +62,12 @@ class ServiceSettings(BaseSettings):
         ge=0,
         description="longest wait for returning clients before a pass (0: never wait)",
     )
+    inline_max_atoms: int = Field(
+        default=2048,
+        ge=0,
+        description="largest pass run on the event loop when its request is alone (no thread "
+        "hop; the loop is busy meanwhile); 0: every pass in the worker thread",
+    )
     switch_interval_ms: float = Field(
         default=5.0,
         gt=0,

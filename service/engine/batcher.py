@@ -30,6 +30,19 @@ Scheduling contract:
 * A request whose client goes away is dropped if none of it has started; a batch already on
   the device finishes and that request's share is discarded. Nobody else is affected, and the
   engine stops waiting for that client.
+* A request that is *alone* runs on the event loop itself (``inline``), without the hop to the
+  worker thread and back: a lone sequential client (MD) would otherwise pay, every step, a
+  thread wake-up on each side of its pass (the worker asleep on its queue, the loop asleep in
+  its poll for the whole pass), and on a host whose idle cores drop into deep sleep states
+  each costs more the longer the pass (0.1–0.4 ms on the H200 host). Alone means: a keyed
+  client (``client=``, so the engine knows who else is around) whose whole request fits one
+  pass of at most ``inline_max_atoms`` atoms, the device idle, nothing else queued, no
+  returning client waited for, and no other client answered within ``INLINE_QUIET_S`` that
+  has not come back yet (a crowd's members are out for a few milliseconds between their
+  requests; one of them must not block the loop while the others return). The loop is blocked
+  for that pass: nobody else is there to serve, and whoever arrives meanwhile waits in the
+  socket for at most one small pass, then queues as before. Every other pass, and everything
+  under concurrency, goes through the worker thread as described above.
 """
 
 from __future__ import annotations
@@ -42,7 +55,7 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,7 +70,7 @@ from service.engine.errors import (
     TooManyAtomsError,
 )
 from service.engine.metrics import ServiceMetrics
-from service.engine.profiling import PassProfiler
+from service.engine.profiling import AfterPass, PassProfiler
 from service.engine.worker import BatchOutput, DeviceThread, Worker, select_structures
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import MAX_ATOMIC_NUMBER, Structures
@@ -87,6 +100,11 @@ PACE_SMOOTHING = 0.3
 MAX_TRACKED_CLIENTS = 4096
 """Clients whose pace is remembered (least recently seen forgotten first)."""
 
+INLINE_QUIET_S = 0.2
+"""How long another client answered and not yet back keeps requests off the event loop: a
+client of a crowd returns within milliseconds to tens of milliseconds (the loop answers the
+others ahead of it); one that stays away longer is thinking, or gone."""
+
 
 @dataclass(frozen=True)
 class BatchLimits:
@@ -97,6 +115,7 @@ class BatchLimits:
     max_batch_edges: int = 2_000_000  # estimated-edge budget of one device pass
     window_s: float = 0.005  # longest wait for returning clients while the device is idle
     max_queue: int = 1024  # requests waiting; above it new ones get 503 + Retry-After
+    inline_max_atoms: int = 2048  # largest pass of a lone client run on the loop (0: never)
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,7 @@ class EvaluationTimings:
     finished_at: float = 0.0  # perf_counter() when its last pass ended (in the worker thread)
     delivered_at: float = 0.0  # perf_counter() when the event loop set its result
     admitted_at: float = 0.0  # perf_counter() when admission queued it (checks done)
+    inline: bool = False  # its pass ran on the event loop thread (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -129,17 +149,10 @@ def _host(tensor: Tensor) -> np.ndarray:
     return array
 
 
-def cell_volumes(cells: np.ndarray) -> np.ndarray:
-    """(B,) |det| of (B, 3, 3) cells, written out: ``np.linalg.det`` costs several times more
-    for the one or few cells of a request (its dispatch dominates)."""
-    a, b, c = cells[:, 0], cells[:, 1], cells[:, 2]
-    det = (
-        a[:, 0] * (b[:, 1] * c[:, 2] - b[:, 2] * c[:, 1])
-        + a[:, 1] * (b[:, 2] * c[:, 0] - b[:, 0] * c[:, 2])
-        + a[:, 2] * (b[:, 0] * c[:, 1] - b[:, 1] * c[:, 0])
-    )
-    volume: np.ndarray = np.abs(det)
-    return volume
+def _cell_volume(cell: list[list[float]]) -> float:
+    """|det| of a 3×3 cell given as rows."""
+    (ax, ay, az), (bx, by, bz), (cx, cy, cz) = cell
+    return abs(ax * (by * cz - bz * cy) + ay * (bz * cx - bx * cz) + az * (bx * cy - by * cx))
 
 
 def estimate_edges(
@@ -148,21 +161,29 @@ def estimate_edges(
     """(B,) expected directed neighbour pairs per structure, n·ρ·(4/3)πr³.
 
     ρ is measured from the cell of fully periodic structures; otherwise ``REFERENCE_DENSITY``,
-    and a finite molecule cannot have more than n−1 neighbours per atom. Whole-batch numpy
-    without masks or gathers: this runs on the event loop for every request (``atom_counts``,
-    (B,), when the caller has them already).
+    and a finite molecule cannot have more than n−1 neighbours per atom. In Python floats, one
+    structure at a time: this runs on the event loop for every request, mostly of one
+    structure, where two dozen numpy calls on one-row arrays cost ~40 µs against ~5 µs (and a
+    request of many structures has been validated one by one in Python already, at tens of
+    µs each). ``atom_counts``, (B,): when the caller has them already.
     """
     if atom_counts is None:
         atom_counts = np.diff(_host(structures.ptr))
-    n_atoms = atom_counts.astype(np.float64)
-    pbc = _host(structures.pbc)
-    volume = cell_volumes(_host(structures.cells))
-    measured = pbc.all(axis=1) & (volume > 0)
-    density = np.where(measured, n_atoms / np.where(measured, volume, 1.0), REFERENCE_DENSITY)
-    neighbours = density * ((4.0 / 3.0) * math.pi * rcut**3)
-    neighbours = np.where(pbc.any(axis=1), neighbours, np.minimum(neighbours, n_atoms - 1.0))
-    estimate: np.ndarray = n_atoms * neighbours
-    return estimate
+    sphere = (4.0 / 3.0) * math.pi * rcut**3
+    estimates = []
+    for n, cell, pbc in zip(
+        atom_counts.tolist(),
+        _host(structures.cells).tolist(),
+        _host(structures.pbc).tolist(),
+        strict=True,
+    ):
+        volume = _cell_volume(cell)
+        density = n / volume if all(pbc) and volume > 0 else REFERENCE_DENSITY
+        neighbours = density * sphere
+        if not any(pbc):
+            neighbours = min(neighbours, n - 1.0)
+        estimates.append(n * neighbours)
+    return np.array(estimates, dtype=np.float64)
 
 
 @dataclass
@@ -192,6 +213,7 @@ class _Job:
     compute_s: float = 0.0
     passes: int = 0
     delivered_at: float = 0.0
+    inline: bool = False
 
     @property
     def n_structures(self) -> int:
@@ -264,6 +286,7 @@ class _Batch:
     n_structures: int
     n_atoms: int
     n_edges: float
+    inline: bool = False  # runs on the event loop thread
 
     @property
     def jobs(self) -> set[_Job]:
@@ -316,7 +339,11 @@ class Engine:
         self._clients: OrderedDict[Hashable, _ClientPace] = OrderedDict()
         # Clients the last pass served that are not back yet → when each is due at the latest.
         self._returning: dict[Hashable, float] = {}
+        # Every client answered and not back yet → when it was answered (oldest first).
+        self._away: OrderedDict[Hashable, float] = OrderedDict()
         self._running: _Batch | None = None  # the batch on the device
+        # An inline pass ran and the loop has not turned since (see _start_pass).
+        self._inline_unsettled = False
         self._window: asyncio.TimerHandle | None = None  # pending end of a gathering wait
         self._gathering_since: float | None = None  # perf_counter() when that wait began
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -475,6 +502,7 @@ class Engine:
         self._dequeue(job)
         if job.client is not None:  # its connection is gone: forget its pace
             self._clients.pop(job.client, None)
+            self._away.pop(job.client, None)
 
     # client pace
 
@@ -493,15 +521,19 @@ class Engine:
                 pace.pace_s = gap if old is None else old + PACE_SMOOTHING * (gap - old)
                 pace.delivered_at = None
         self._returning.pop(client, None)
+        self._away.pop(client, None)
 
     def _expect_returns(self, batch: _Batch, now: float) -> None:
         """After a pass: the clients it has answered, and when each is due back at the latest
         (only those whose pace fits in the longest wait: nobody else is worth waiting for)."""
         self._returning.clear()
+        self._forget_quiet_clients(now)  # here too: under load the inline check never runs
         longest = self._gather_limit_s()
         for job in batch.jobs:
             if job.client is None or not job.future.done() or job.future.cancelled():
                 continue
+            self._away[job.client] = now
+            self._away.move_to_end(job.client)
             pace = self._clients.get(job.client)
             if pace is None:
                 continue
@@ -514,6 +546,18 @@ class Engine:
 
     def _gather_limit_s(self) -> float:
         return min(self._limits.window_s, GATHER_FRACTION * self._last_pass_s)
+
+    def _others_away(self, now: float) -> bool:
+        """Whether a client answered within ``INLINE_QUIET_S`` has not come back yet."""
+        self._forget_quiet_clients(now)
+        return bool(self._away)
+
+    def _forget_quiet_clients(self, now: float) -> None:
+        """Drop the clients answered before ``INLINE_QUIET_S`` (thinking, or gone: one-off
+        connections never come back) from those away, oldest first."""
+        away = self._away
+        while away and next(iter(away.values())) < now - INLINE_QUIET_S:
+            away.popitem(last=False)
 
     def _dequeue(self, job: _Job) -> None:
         """Forget the part of ``job`` that has not been dispatched yet."""
@@ -577,31 +621,63 @@ class Engine:
         batch = self._take_batch()
         self._running = batch
         loop = self._require_loop()
-        self._require_device().submit(lambda: self._run_pass(batch, loop))
+        if not batch.inline:
+            self._require_device().submit(lambda: self._run_pass(batch, loop))
+            return
+        self._metrics.inline_passes.inc()
+        outcome, after = self._execute(batch)
+        self._finish_pass(batch, outcome)
+        # The caller resumes without yielding: a client in this process could send its next
+        # request, find itself alone again and keep the loop from everyone else. Its next
+        # pass goes to the worker unless the loop has turned first (it always has for an
+        # HTTP client, whose next request comes through the loop's poll).
+        self._inline_unsettled = True
+        loop.call_soon(self._inline_settled)
+        if after is not None:  # after the handler has answered
+            loop.call_soon(after)
+
+    def _inline_settled(self) -> None:
+        self._inline_unsettled = False
+
+    def _runs_inline(self, job: _Job, n_atoms: int) -> bool:
+        """Whether the whole of ``job``, about to be taken, is alone (module docstring)."""
+        return (
+            n_atoms <= self._limits.inline_max_atoms
+            and job.client is not None
+            and not self._inline_unsettled
+            and job.cursor == 0
+            and len(self._queue) == 1
+            and not self._returning
+            and not self._others_away(time.perf_counter())
+        )
 
     def _run_pass(self, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
         """Worker thread: one device pass, then one hop back to the loop with its outcome."""
-        outcome: BatchOutput | BaseException
-        after: Callable[[], None] | None = None
-        try:
-            if self._profiler is None:
-                outcome = self._worker.run(batch.parts, batch.properties)
-            else:
-                outcome, after = self._profiler.around(
-                    lambda: self._worker.run(batch.parts, batch.properties),
-                    {
-                        "structures": batch.n_structures,
-                        "atoms": batch.n_atoms,
-                        "requests": len(batch.chunks),
-                    },
-                )
-        except Exception as exc:  # a bug outside the model's per-structure isolation
-            log.exception("device pass failed")
-            outcome = exc.with_traceback(None)
+        outcome, after = self._execute(batch)
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             loop.call_soon_threadsafe(self._finish_pass, batch, outcome)
         if after is not None:
             after()  # profiling bookkeeping, once the answer is on its way
+
+    def _execute(self, batch: _Batch) -> tuple[BatchOutput | BaseException, AfterPass | None]:
+        """One device pass in this thread: its outcome (a failure outside the model's
+        per-structure isolation as the exception), and the profiler's bookkeeping to do
+        once the answer is on its way (None without a profiler)."""
+        try:
+            if self._profiler is None:
+                return self._worker.run(batch.parts, batch.properties), None
+            return self._profiler.around(
+                lambda: self._worker.run(batch.parts, batch.properties),
+                {
+                    "structures": batch.n_structures,
+                    "atoms": batch.n_atoms,
+                    "requests": len(batch.chunks),
+                    "inline": batch.inline,
+                },
+            )
+        except Exception as exc:
+            log.exception("device pass failed")
+            return exc.with_traceback(None), None
 
     def _finish_pass(self, batch: _Batch, outcome: BatchOutput | BaseException) -> None:
         self._running = None
@@ -628,6 +704,11 @@ class Engine:
 
     def _take_batch(self) -> _Batch:
         limits = self._limits
+        head = self._queue[0]
+        head_atoms, head_edges = head.remaining()
+        fits = head_atoms <= limits.max_batch_atoms and head_edges <= limits.max_batch_edges
+        if fits and self._runs_inline(head, head_atoms):
+            return self._take_alone(head)
         chunks: list[_Chunk] = []
         parts: list[Structures] = []
         n_structures = n_atoms = 0
@@ -662,6 +743,26 @@ class Engine:
         properties = frozenset({"energy"}.union(*(c.job.properties for c in chunks)))
         return _Batch(chunks, parts, properties, n_structures, n_atoms, n_edges)
 
+    def _take_alone(self, job: _Job) -> _Batch:
+        """The whole of ``job``, the only request queued, as an inline batch."""
+        self._queue.popleft()
+        self._queued_atoms, self._queued_edges = 0, 0.0
+        self._metrics.queue_depth.set(0)
+        job.cursor = job.n_structures
+        job.in_flight += 1
+        n_atoms = int(job.atom_ptr[-1])
+        chunk = _Chunk(job, 0, job.n_structures, 0, 0)
+        properties = frozenset({"energy"}.union(job.properties))
+        return _Batch(
+            [chunk],
+            [job.structures],
+            properties,
+            job.n_structures,
+            n_atoms,
+            float(job.edge_cumsum[-1]),
+            inline=True,
+        )
+
     def _record_batch(self, batch: _Batch) -> None:
         m, limits = self._metrics, self._limits
         m.batch_requests.observe(len(batch.jobs))
@@ -686,6 +787,7 @@ class Engine:
             job.compute_s += output.seconds
             job.finished_at = output.finished_at
             job.passes += 1
+            job.inline = batch.inline
             if job.future.done():
                 continue
             failed = chunk.failure(output)
@@ -754,5 +856,6 @@ class Engine:
                 finished_at=job.finished_at,
                 delivered_at=job.delivered_at,
                 admitted_at=job.admitted_at,
+                inline=job.inline,
             ),
         )

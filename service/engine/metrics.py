@@ -108,6 +108,11 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.inline_passes = Counter(
+            "so2serve_inline_passes",
+            "Passes of a lone client run on the event loop thread (no worker-thread hop).",
+            registry=r,
+        )
         self.batch_requests = Histogram(
             "so2serve_batch_requests",
             "Requests coalesced into one device pass.",

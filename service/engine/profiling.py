@@ -20,7 +20,9 @@ process, so compare profiles with profiles and plain timings with plain timings.
 
 ``PassProfiler`` skips ``skip`` passes, records the next ``passes`` and then writes one compact
 JSON document (``profile-<label>-<pid>.json`` in ``out_dir``) and goes idle. The engine calls
-``around`` in its worker thread; without a profiler nothing here runs.
+``around`` in the thread that runs the pass: the worker thread, or the event loop thread for
+a lone client's pass (``inline`` in the record; ``worker_*`` then describe the loop thread and
+``loop_cpu_ms`` is None). Without a profiler nothing here runs.
 """
 
 from __future__ import annotations
@@ -188,7 +190,9 @@ class PassProfiler:
             self.request = replace(self.request, passes=0)
             return run(), _nothing
         gc.callbacks.append(gc_log)
-        loop_before = _thread_cpu_s(self.loop_thread)
+        # A pass run inline is on the loop thread itself: its CPU time is the worker's.
+        other_loop = None if self.loop_thread == threading.get_ident() else self.loop_thread
+        loop_before = _thread_cpu_s(other_loop)
         process_before = time.process_time()
         worker_before = time.thread_time()
         start = time.perf_counter()
@@ -201,7 +205,7 @@ class PassProfiler:
             wall = time.perf_counter() - start
             worker = time.thread_time() - worker_before
             process = time.process_time() - process_before
-            loop_after = _thread_cpu_s(self.loop_thread)
+            loop_after = _thread_cpu_s(other_loop)
             gc.callbacks.remove(gc_log)
             prof.stop()
         loop = None if loop_before is None or loop_after is None else loop_after - loop_before

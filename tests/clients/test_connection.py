@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -15,11 +16,15 @@ from clients._connection import KeepAliveConnection, TransportError
 
 class RawServer:
     """Accepts connections one after another; answers the k-th request (over all
-    connections) with ``answers[k]`` and closes the connection after it if that answer's
-    ``close`` flag is set. Records each request's raw head and body."""
+    connections) with ``answers[k]``, ``delays_s[k]`` seconds after reading it (none by
+    default), and closes the connection after it if that answer's ``close`` flag is set.
+    Records each request's raw head and body."""
 
-    def __init__(self, answers: list[tuple[bytes, bool]]) -> None:
+    def __init__(
+        self, answers: list[tuple[bytes, bool]], delays_s: list[float] | None = None
+    ) -> None:
         self.answers = answers
+        self.delays_s = delays_s or [0.0] * len(answers)
         self.requests: list[bytes] = []
         self.connections = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -50,6 +55,7 @@ class RawServer:
                             length = int(line.split(b":")[1])
                     self.requests.append(head + reader.read(length))
                     answer, close = self.answers[len(self.requests) - 1]
+                    time.sleep(self.delays_s[len(self.requests) - 1])
                     conn.sendall(answer)
                     if close:
                         break
@@ -60,8 +66,10 @@ class RawServer:
 
 
 @contextmanager
-def raw_server(answers: list[tuple[bytes, bool]]) -> Iterator[RawServer]:
-    server = RawServer(answers)
+def raw_server(
+    answers: list[tuple[bytes, bool]], delays_s: list[float] | None = None
+) -> Iterator[RawServer]:
+    server = RawServer(answers, delays_s)
     try:
         yield server
     finally:
@@ -158,3 +166,27 @@ def test_nobody_listening_and_bad_urls() -> None:
         KeepAliveConnection(f"http://127.0.0.1:{port}", 2.0, {}).request("GET", "/")
     with pytest.raises(ValueError, match="http"):
         KeepAliveConnection("ftp://example.org", 1.0, {})
+
+
+def test_a_spinning_connection_reads_answers_due_early_late_and_on_time() -> None:
+    """Polling for the answer from shortly before it is due (as predicted from the last
+    answer to a request of the same size) changes when the answer is read, never what: an
+    answer earlier than predicted is read at once, a much later one after a bounded spin,
+    asleep (the wait costs next to no CPU)."""
+    delays = [0.05, 0.05, 0.05, 0.005, 0.3]
+    answers = [(ok(b"answer %d" % k), False) for k in range(len(delays))]
+    with raw_server(answers, delays) as server:
+        http = KeepAliveConnection(server.url, 5.0, {}, spin_lead_s=0.002)
+        for k in range(3):
+            assert http.request("POST", "/e", b"same size").content == b"answer %d" % k
+        start = time.perf_counter()
+        assert http.request("POST", "/e", b"same size").content == b"answer 3"
+        assert time.perf_counter() - start < 0.04  # not held until the predicted 50 ms
+        cpu_before, start = time.thread_time(), time.perf_counter()
+        assert http.request("POST", "/e", b"same size").content == b"answer 4"
+        assert time.perf_counter() - start >= 0.3
+        assert time.thread_time() - cpu_before < 0.1  # asleep through most of the 0.3 s
+        http.close()
+    assert server.connections == 1
+    with pytest.raises(ValueError, match="spin_lead_s"):
+        KeepAliveConnection(server.url, 1.0, {}, spin_lead_s=-1.0)

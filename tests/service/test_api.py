@@ -356,6 +356,27 @@ def test_keep_alive_connections_are_the_clients_a_pass_waits_for(
     assert max(n for n, _ in pot.calls) == 4
 
 
+@pytest.mark.parametrize("inline_max_atoms", [0, 2048])
+def test_a_lone_client_is_answered_from_the_event_loop_unless_turned_off(
+    inline_max_atoms: int,
+) -> None:
+    body = request_document([small_molecule("H2O")], ALL)
+    with (
+        serve(inline_max_atoms=inline_max_atoms) as (url, _),
+        httpx.Client(base_url=url, timeout=30) as c,
+    ):
+        answers = [c.post("/evaluate", json=body).json() for _ in range(3)]
+        assert c.get("/info").json()["limits"]["inline_max_atoms"] == inline_max_atoms
+        metrics = c.get("/metrics").text
+    expected = PairPotential().predict(Structures.from_atoms([small_molecule("H2O")]), set(ALL))
+    assert expected.forces is not None
+    for answer in answers:
+        assert answer["provenance"]["inline"] is (inline_max_atoms > 0)
+        np.testing.assert_allclose(answer["results"][0]["forces"], expected.forces, atol=1e-12)
+    inline_passes = sample_value(metrics, "so2serve_inline_passes_total")
+    assert inline_passes == (3 if inline_max_atoms else 0)
+
+
 def test_full_queue_answers_503_with_retry_after() -> None:
     docs = [request_document([small_molecule(seed=k)]) for k in range(6)]
     with serve(PairPotential(delay_s=0.3), max_queue=1) as (url, _):
@@ -399,7 +420,9 @@ async def _leave_early(url: str, pot: PairPotential) -> httpx.Response:
 
 def test_client_disconnect_cancels_only_its_own_work() -> None:
     pot = PairPotential(delay_s=0.4)
-    with serve(pot) as (url, _):
+    # The keeper's pass in the worker thread: run inline, it would hold the event loop, and
+    # the leaver's request would reach the server only after its client had gone.
+    with serve(pot, inline_max_atoms=0) as (url, _):
         assert asyncio.run(_leave_early(url, pot)).status_code == 200
         with httpx.Client(base_url=url) as c:
             assert (

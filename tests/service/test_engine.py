@@ -44,6 +44,10 @@ def run_engine(
     scenario: Callable[[Engine, ServiceMetrics], Awaitable[T]],
     **limits: Any,
 ) -> T:
+    # The worker path unless a test asks for inline passes: the schedules pinned here are
+    # the worker thread's (a lone client's inline pass has tests of its own).
+    limits.setdefault("inline_max_atoms", 0)
+
     async def main() -> T:
         metrics = ServiceMetrics()
         engine = Engine(
@@ -441,10 +445,15 @@ def test_a_model_error_fails_only_its_request() -> None:
 
 def test_edge_estimate() -> None:
     crystal, mol = rattled_copper(2), small_molecule("CH3OH")
-    estimate = estimate_edges(structures_of(crystal, mol), rcut=4.0)
+    slab = rattled_copper(2)
+    slab.pbc = (True, True, False)
+    estimate = estimate_edges(structures_of(crystal, mol, slab), rcut=4.0)
+    sphere = 4 / 3 * math.pi * 4.0**3
     density = len(crystal) / crystal.get_volume()
-    assert estimate[0] == pytest.approx(len(crystal) * density * 4 / 3 * math.pi * 4.0**3)
+    assert estimate[0] == pytest.approx(len(crystal) * density * sphere)
     assert estimate[1] == len(mol) * (len(mol) - 1)  # a small molecule: everyone is a neighbour
+    # Not periodic along every axis: the reference density, and no cap at n - 1.
+    assert estimate[2] == pytest.approx(len(slab) * batcher.REFERENCE_DENSITY * sphere)
     actual = PairPotential()._edges(structures_of(crystal), [0, len(crystal)])[0].numel()
     assert 0.7 < estimate[0] / actual < 1.3
 
@@ -528,3 +537,177 @@ def test_pass_profiler_records_the_asked_passes(tmp_path: Path) -> None:
     assert any(name.startswith("aten::") for name in names)
     assert document["context"]["switch_interval_s"] == sys.getswitchinterval()
     assert set(document["medians"]) >= {"wall_ms", "worker_cpu_ms", "worker_blocked_ms"}
+
+
+class ThreadRecording(PairPotential):
+    """Records the thread of every pass."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.threads: list[int] = []
+
+    def predict(self, structures: Structures, properties: Any) -> Any:
+        self.threads.append(threading.get_ident())
+        return super().predict(structures, properties)
+
+
+INLINE = 2048  # the service's default inline_max_atoms (run_engine turns inline off)
+
+
+async def socket_client(
+    engine: Engine, key: str, structures: Structures, requests: int
+) -> list[EvaluationResult]:
+    """``sequential_client`` whose requests reach the engine as an HTTP client's do: the
+    event loop turns in between (they come through its poll)."""
+    results = []
+    for _ in range(requests):
+        await asyncio.sleep(0)
+        results.append(await engine.evaluate(structures, PROPS, client=key))
+    return results
+
+
+def test_a_lone_client_runs_on_the_event_loop_and_anonymous_requests_do_not() -> None:
+    pot = ThreadRecording()
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> None:
+        loop_thread = threading.get_ident()
+        for result in await socket_client(engine, "md", water, 4):
+            assert result.timings.inline
+            assert_same(result, direct(PairPotential(), water))
+        assert pot.threads == [loop_thread] * 4
+        assert metric(metrics, "so2serve_inline_passes_total") == 4
+        anonymous = await engine.evaluate(water, PROPS)
+        assert not anonymous.timings.inline
+        assert pot.threads[-1] != loop_thread
+        await asyncio.sleep(0)  # a pass's metrics are recorded once its answer is out
+        assert metric(metrics, "so2serve_batch_requests_count") == 5
+
+    run_engine(pot, scenario, inline_max_atoms=INLINE)
+
+
+def test_a_crowd_is_batched_in_the_worker_thread() -> None:
+    """Eight clients start together: the first request finds nobody else and runs inline;
+    from then on the others are out between their requests, so every pass goes to the
+    worker thread and they share passes as without inline passes."""
+    pot = PairPotential(delay_s=0.05)
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> list[EvaluationResult]:
+        runs = await asyncio.gather(
+            *(sequential_client(engine, f"c{k}", water, 5) for k in range(8))
+        )
+        return [result for run in runs for result in run]
+
+    results = run_engine(pot, scenario, inline_max_atoms=INLINE)
+    assert sum(result.timings.inline for result in results) == 1
+    passes = requests_per_pass(pot)
+    assert sum(passes) == 40
+    assert max(passes) >= 7
+
+
+def test_another_client_just_answered_keeps_passes_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(batcher, "INLINE_QUIET_S", 0.1)
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> list[bool]:
+        ran_inline = []
+        for client in ("a", "b", "b"):  # "a" answered and not back: "b" is not alone
+            ran_inline.append((await engine.evaluate(water, PROPS, client=client)).timings.inline)
+        await asyncio.sleep(0.15)  # "a" has stayed away longer than the quiet time
+        ran_inline.append((await engine.evaluate(water, PROPS, client="b")).timings.inline)
+        return ran_inline
+
+    assert run_engine(PairPotential(), scenario, inline_max_atoms=INLINE) == [
+        True,
+        False,
+        False,
+        True,
+    ]
+
+
+def test_only_small_whole_requests_run_inline() -> None:
+    pot = PairPotential()
+    water, crystal = small_molecule("H2O"), rattled_copper(2)  # 3 and 32 atoms
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> list[tuple[bool, int]]:
+        outcomes = []
+        for structures in (
+            structures_of(water, water),  # two structures, 6 atoms: one pass, inline
+            structures_of(crystal),  # above inline_max_atoms
+            structures_of(*[water] * 8),  # 24 atoms: above the batch budget, two passes
+        ):
+            result = await engine.evaluate(structures, PROPS, client="md")
+            outcomes.append((result.timings.inline, result.timings.passes))
+        return outcomes
+
+    outcomes = run_engine(pot, scenario, inline_max_atoms=20, max_batch_atoms=20)
+    assert outcomes == [(True, 1), (False, 1), (False, 2)]
+
+
+def test_an_inline_pass_bisects_out_of_memory_and_isolates_model_errors() -> None:
+    crystal_request = structures_of(small_molecule("CH4"), rattled_copper(2))  # 5 + 32 atoms
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> None:
+        with pytest.raises(StructureTooLargeError) as oom:
+            await engine.evaluate(crystal_request, PROPS, client="md")
+        assert (oom.value.index, oom.value.n_atoms) == (1, 32)
+        assert metric(metrics, "so2serve_oom_failures_total") == 1
+        assert metric(metrics, "so2serve_inline_passes_total") == 1
+        [again] = await socket_client(engine, "md", water, 1)
+        assert again.timings.inline
+        assert_same(again, direct(PairPotential(), water))
+
+    run_engine(PairPotential(oom_above_atoms=20), scenario, inline_max_atoms=INLINE)
+
+    async def failing(engine: Engine, metrics: ServiceMetrics) -> None:
+        methane_pair = structures_of(small_molecule("H2O"), small_molecule("CH4"))
+        with pytest.raises(EvaluationFailedError, match=r"structures\[1\].*model bug"):
+            await engine.evaluate(methane_pair, PROPS, client="md")
+        [again] = await socket_client(engine, "md", water, 1)
+        assert again.timings.inline
+
+    run_engine(ExplodingOnMethane(), failing, inline_max_atoms=INLINE)
+
+
+def test_pass_profiler_records_inline_passes_on_the_loop_thread(tmp_path: Path) -> None:
+    profiler = PassProfiler(ProfileRequest(passes=2, skip=1, out_dir=tmp_path, label="inline"))
+    pot = PairPotential()
+    water = structures_of(small_molecule("H2O"))
+
+    async def main() -> None:
+        metrics = ServiceMetrics()
+        engine = Engine(
+            Worker(pot, metrics),
+            BatchLimits(inline_max_atoms=INLINE),
+            metrics,
+            rcut=pot.rcut,
+            profiler=profiler,
+        )
+        await engine.start()
+        try:
+            await socket_client(engine, "md", water, 4)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+    assert profiler.written is not None
+    passes = json.loads(profiler.written.read_text())["passes"]
+    assert [(p["inline"], p["loop_cpu_ms"]) for p in passes] == [(True, None)] * 2
+    assert all(p["worker_cpu_ms"] > 0 for p in passes)
+
+
+def test_a_client_in_this_process_does_not_keep_the_loop_to_itself() -> None:
+    """An inline pass completes inside ``submit``, so a coroutine client resumes without the
+    loop turning: its next request goes to the worker thread (and yields), so that the
+    others get their turn."""
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> list[bool]:
+        results = await sequential_client(engine, "md", water, 4)
+        return [result.timings.inline for result in results]
+
+    assert run_engine(PairPotential(), scenario, inline_max_atoms=INLINE) == [True, False] * 2
