@@ -42,6 +42,7 @@ PROPS = frozenset(("energy", "forces", "stress", "energies"))
 def run_engine(
     potential: PairPotential,
     scenario: Callable[[Engine, ServiceMetrics], Awaitable[T]],
+    profiler: PassProfiler | None = None,
     **limits: Any,
 ) -> T:
     # The worker path unless a test asks for inline passes: the schedules pinned here are
@@ -56,6 +57,7 @@ def run_engine(
             metrics,
             rcut=potential.rcut,
             elements=element_numbers(potential),
+            profiler=profiler,
         )
         await engine.start()
         try:
@@ -505,27 +507,13 @@ def test_a_structure_the_model_refuses_fails_alone_without_bisection() -> None:
 def test_pass_profiler_records_the_asked_passes(tmp_path: Path) -> None:
     request = ProfileRequest(passes=2, skip=1, out_dir=tmp_path, label="test")
     profiler = PassProfiler(request)
-    pot = PairPotential()
     water = structures_of(small_molecule("H2O"))
 
-    async def main() -> None:
-        metrics = ServiceMetrics()
-        engine = Engine(
-            Worker(pot, metrics),
-            BatchLimits(),
-            metrics,
-            rcut=pot.rcut,
-            elements=element_numbers(pot),
-            profiler=profiler,
-        )
-        await engine.start()
-        try:
-            for _ in range(5):
-                await engine.evaluate(water, PROPS)
-        finally:
-            await engine.stop()
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> None:
+        for _ in range(5):
+            await engine.evaluate(water, PROPS)
 
-    asyncio.run(main())
+    run_engine(PairPotential(), scenario, profiler)
     assert profiler.written is not None
     document = json.loads(profiler.written.read_text())
     assert [p["atoms"] for p in document["passes"]] == [3, 3]
@@ -675,25 +663,12 @@ def test_an_inline_pass_bisects_out_of_memory_and_isolates_model_errors() -> Non
 
 def test_pass_profiler_records_inline_passes_on_the_loop_thread(tmp_path: Path) -> None:
     profiler = PassProfiler(ProfileRequest(passes=2, skip=1, out_dir=tmp_path, label="inline"))
-    pot = PairPotential()
     water = structures_of(small_molecule("H2O"))
 
-    async def main() -> None:
-        metrics = ServiceMetrics()
-        engine = Engine(
-            Worker(pot, metrics),
-            BatchLimits(inline_max_atoms=INLINE),
-            metrics,
-            rcut=pot.rcut,
-            profiler=profiler,
-        )
-        await engine.start()
-        try:
-            await socket_client(engine, "md", water, 4)
-        finally:
-            await engine.stop()
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> None:
+        await socket_client(engine, "md", water, 4)
 
-    asyncio.run(main())
+    run_engine(PairPotential(), scenario, profiler, inline_max_atoms=INLINE)
     assert profiler.written is not None
     passes = json.loads(profiler.written.read_text())["passes"]
     assert [(p["inline"], p["loop_cpu_ms"]) for p in passes] == [(True, None)] * 2
