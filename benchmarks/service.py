@@ -22,6 +22,11 @@ counts, ``SO2SERVE_*`` settings) to test a suspect.
    HTTP client's, host results, no HTTP), which
    splits the overhead into the engine's share (engine − calculator) and HTTP's (round trip
    − engine), and the worker's compute time into the same step with and without a server.
+   Those medians come from phases minutes apart, and the step drifts by ±0.3–0.5 ms on the
+   H200 between them; ``http_overhead_paired`` (below ``LARGE`` atoms) alternates the two
+   calculators call by call on the same structure (the in-process model loaded beside the
+   server, the same file, device, path and precision) and reports the median of the per-pair
+   differences with its quartiles, in which that drift cancels.
 2. Throughput with 192-atom structures: 1, 8 and 64 concurrent HTTP clients (sequential, each
    on its own keep-alive connection in a thread, spread over several client processes so that
    Python on the client side is not the bottleneck) vs the
@@ -564,6 +569,99 @@ def http_overhead_phase(url: str, sizes: list[int], repeats: int) -> dict[str, A
     return rows
 
 
+PAIRS_PER_REPEAT = 3
+"""Timed pairs per size of the paired overhead, per ``--repeats``: the IQR of the per-pair
+differences wants more samples than a median does."""
+PAIR_WARMUP = 5
+"""Untimed pairs first: the in-process potential records its CUDA graph on its third call."""
+PAIR_SHIFT_A = 1e-5
+"""Rigid shift (Å) of the structure per pair: new positions every call, the same neighbour
+graph up to rounding (and so the same CUDA-graph bucket) on both sides."""
+
+
+def paired_overhead(
+    url: str, local: SO2LocalCalculator, atoms: Atoms, pairs: int
+) -> dict[str, Any]:
+    """``pairs`` alternations of one in-process call and one HTTP call (msgpack, the
+    calculator's defaults) on the same positions; which side goes first alternates too.
+
+    ``overhead_ms`` is the median of the per-pair differences (HTTP − in-process), with its
+    quartiles: the device's drift between phases (±0.3–0.5 ms on the H200) cancels, unlike in
+    ``http_overhead`` where the two medians come from phases minutes apart. Both sides share
+    the device but never run at once; each call follows one of the other process, so a GPU
+    context switch, if it costs anything, is paid by both.
+    """
+    base = atoms.positions.copy()
+    calls: dict[str, list[float]] = {"http": [], "local": []}
+    timings: list[dict[str, float]] = []
+    inline: list[bool] = []
+    with SO2Calculator(url, timeout=600) as remote:
+        server_execution = remote.info()["execution"]
+        local_execution = {
+            key: getattr(local.potential.execution, key) for key in ("path", "precision", "device")
+        }
+        if any(server_execution[key] != value for key, value in local_execution.items()):
+            raise RuntimeError(
+                f"in-process execution {local_execution} differs from the server's "
+                f"{server_execution}: the pairs would compare different steps"
+            )
+        steps = {"http": calculator_step(remote, atoms), "local": calculator_step(local, atoms)}
+        time.sleep(1.5 * INLINE_QUIET_S)  # see http_round_trip
+        for k in range(PAIR_WARMUP + pairs):
+            atoms.positions = base + PAIR_SHIFT_A * k
+            for side in ("local", "http") if k % 2 == 0 else ("http", "local"):
+                start = time.perf_counter()
+                steps[side]()
+                elapsed_ms = (time.perf_counter() - start) * 1e3
+                if k >= PAIR_WARMUP:
+                    calls[side].append(elapsed_ms)
+            if k >= PAIR_WARMUP:
+                assert remote.provenance is not None
+                timings.append(remote.provenance["timings"])
+                inline.append(bool(remote.provenance.get("inline")))
+    atoms.positions = base
+    differences = [h - c for h, c in zip(calls["http"], calls["local"], strict=True)]
+    q1, q3 = (float(q) for q in np.percentile(differences, [25, 75]))
+    round_trip, in_process = statistics.median(calls["http"]), statistics.median(calls["local"])
+    return {
+        "pairs": pairs,
+        "overhead_ms": statistics.median(differences),
+        "overhead_q1_ms": q1,
+        "overhead_q3_ms": q3,
+        "overhead_iqr_ms": q3 - q1,
+        "round_trip_ms": round_trip,
+        "in_process_ms": in_process,
+        "difference_of_medians_ms": round_trip - in_process,
+        "inline_share": sum(inline) / pairs,
+        "server_ms": {name: statistics.median(t[name] for t in timings) for name in timings[0]},
+        "execution": local_execution,
+    }
+
+
+def paired_overhead_phase(
+    url: str, local: SO2LocalCalculator, sizes: list[int], repeats: int
+) -> dict[str, Any]:
+    """``paired_overhead`` per size below ``LARGE`` atoms, each printed as it is done."""
+    rows: dict[str, Any] = {}
+    for n in sizes:
+        atoms = water_atoms(n)
+        if len(atoms) >= LARGE:
+            continue
+        rows[str(len(atoms))] = paired_overhead(url, local, atoms, PAIRS_PER_REPEAT * repeats)
+        print(paired_line(str(len(atoms)), rows[str(len(atoms))]), flush=True)
+    return rows
+
+
+def paired_line(size: str, row: dict[str, Any]) -> str:
+    """One size's paired overhead as printed during the phase and in the summary."""
+    return (
+        f"paired overhead, {size} atoms: {row['overhead_ms']:.3f} ms "
+        f"(IQR {row['overhead_q1_ms']:.3f}–{row['overhead_q3_ms']:.3f}, {row['pairs']} pairs); "
+        f"HTTP {row['round_trip_ms']:.3f}, in-process {row['in_process_ms']:.3f}, "
+        f"inline share {row['inline_share']:.2f}"
+    )
+
+
 def _mean_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The mean of equally shaped result rows (numbers and dicts of numbers)."""
     out: dict[str, Any] = {}
@@ -990,8 +1088,8 @@ def stage_breakdown(atoms: Atoms, binary: bool, repeats: int) -> dict[str, float
 
 def fake_model_main(args: argparse.Namespace, phases: set[str]) -> None:
     """The ``--fake-model`` run: phases ``engine`` (null model behind the engine in this
-    process), ``http`` (round trips, stages), ``throughput`` (batching study), ``profile``
-    (passes profiled in the server and behind the engine, as on the GPU)."""
+    process), ``http`` (round trips, paired overhead, stages), ``throughput`` (batching
+    study), ``profile`` (passes profiled in the server and behind the engine, as on the GPU)."""
     sizes = args.sizes if args.sizes != list(SIZES) else [192, 1536]
     evaluator = NullEvaluator()
     workdir = Path(tempfile.mkdtemp(prefix="so2bench-fake-"))
@@ -1028,6 +1126,10 @@ def fake_model_main(args: argparse.Namespace, phases: set[str]) -> None:
                 results.put("server_profile", server_profile_phase(url, server_request))
             if "http" in phases:
                 results.put("results", fake_round_trips(url, evaluator, sizes, args.repeats))
+                paired = paired_overhead_phase(
+                    url, SO2LocalCalculator(evaluator), sizes, args.repeats
+                )
+                results.put("http_overhead_paired", paired)
                 results.put("http_echo", echo_phase(ECHO_DELAYS_MS, args.repeats))
         finally:
             server.terminate()
@@ -1309,9 +1411,7 @@ def main() -> None:
             )
             results.put("engine_in_process", engine)
         del potential
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(device)
 
     server_phases = phases & {"profile", "http", "throughput"}
     if server_phases:
@@ -1332,6 +1432,12 @@ def main() -> None:
                 results.put("server_profile", server_profile_phase(url, profile))
             if "http" in phases:
                 results.put("http_overhead", http_overhead_phase(url, args.sizes, args.repeats))
+                # The in-process side of the pairs: the model loaded as the server loads it.
+                local = SO2LocalCalculator(load_potential(model, device=args.device))
+                paired = paired_overhead_phase(url, local, args.sizes, args.repeats)
+                results.put("http_overhead_paired", paired)
+                del local
+                release_device_memory(device)
                 results.put("http_echo", echo_phase(ECHO_DELAYS_MS, args.repeats))
             if "throughput" in phases:
                 throughput = throughput_phase(
@@ -1343,6 +1449,13 @@ def main() -> None:
             server.wait(60)
     print_summary(results.doc)
     print(f"wrote {results.path}")
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Return the cached blocks of potentials no longer referenced (for the server's sake)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def print_summary(doc: dict[str, Any]) -> None:
@@ -1375,6 +1488,8 @@ def print_summary(doc: dict[str, Any]) -> None:
             print(
                 " " * 16 + ", ".join(f"{k.removesuffix('_ms')} {v:.3f}" for k, v in phases.items())
             )
+    for size, row in doc.get("http_overhead_paired", {}).items():
+        print(paired_line(size, row))
     echo = doc.get("http_echo")
     if echo:
         wake = ", ".join(f"{k} {v:.3f}" for k, v in echo["wake_ms"].items())
