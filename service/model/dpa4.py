@@ -281,7 +281,7 @@ class DPA4Model(nn.Module):
         seed = self.env_seed
         if seed is None:
             return self.radial_mlp.hidden(rbf), None
-        if len(self.radial_mlp.layers) < 2:
+        if len(self.radial_mlp.layers) < 2 or len(seed.rbf_proj.layers) < 2:
             return self.radial_mlp.hidden(rbf), seed.rbf_proj(rbf)
         radial_first, seed_first = self.radial_mlp.dense(0).matrix, seed.rbf_proj.dense(0).matrix
         first = derived_weights(

@@ -108,9 +108,9 @@ class MLP(nn.Module):
 
     def hidden(self, x: Tensor) -> Tensor:
         """The activations entering the last layer (``x`` itself for a single layer)."""
-        for layer in self.layers[:-1]:
-            x = F.silu(layer(x))
-        return x
+        if len(self.layers) < 2:
+            return x
+        return self.hidden_after_first(F.silu(self.layers[0](x)))
 
     def hidden_after_first(self, opened: Tensor) -> Tensor:
         """:meth:`hidden` given ``opened = SiLU(first layer(x))`` (two or more layers): callers
