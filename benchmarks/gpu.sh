@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh verify|recheck|matrix|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|recheck|matrix|compiled|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -47,11 +47,15 @@ case "$topic" in
     STEP_S=100 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py
     STEP_S=150 run python3 benchmarks/model.py --cases bar:192,1536,12288 --paths fused fused-fp16x3 --profile --repeats 5 --no-agreement "$@"
     ;;
-  matrix)  # what the 2026-11-30 matrix call left: medium at 192..98k + largest fitting, bar at 98k + largest, compiled/reference beyond 192 (small was measured: model_20261130T0311*/T0314*)
-    STEP_S=200 run python3 benchmarks/model.py --cases medium:192,1536,12288,98304 bar:98304 --paths fused --memory auto --no-agreement --repeats 2 --find-max --max-atoms 200000
-    STEP_S=90 run python3 benchmarks/model.py --cases medium:192,1536,12288,98304 --paths fused-fp16x3 --memory auto --no-agreement --repeats 2
-    STEP_S=200 run python3 benchmarks/model.py --cases small:1536,12288 medium:192,1536,12288 --paths compiled --compile-configs small medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
-    STEP_S=100 run python3 benchmarks/model.py --cases small:98304 medium:192,1536,12288,98304 --paths reference --memory auto --no-agreement --repeats 2
+  matrix)  # issue #4's size matrix left after 2026-11-30: the compile-abort probe, bar at 98k + largest, medium exact at 98k, the medium reference series
+    STEP_S=280 run python3 benchmarks/compile_probe.py --config tiny --sizes 192 1536 --variants baseline single-thread-backward --timeout-s 135
+    STEP_S=130 run python3 benchmarks/model.py --cases bar:98304 --paths fused-fp16x3 fused --memory auto --no-agreement --repeats 2 --find-max --max-atoms 200000
+    STEP_S=60 run python3 benchmarks/model.py --cases medium:98304 --paths fused --memory auto --no-agreement --repeats 2
+    STEP_S=110 run python3 benchmarks/model.py --cases medium:192,1536,12288,98304 --paths reference --memory auto --no-agreement --repeats 2
+    ;;
+  compiled)  # torch.compile(reference) series of issue #4 (small and medium, up to 12k atoms)
+    STEP_S=300 run python3 benchmarks/model.py --cases small:192,1536,12288 --paths compiled --compile-configs small --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
+    STEP_S=280 run python3 benchmarks/model.py --cases medium:192,1536,12288 --paths compiled --compile-configs medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
     ;;
   closing)  # last call of a session (~5 min): the 192/1,536-atom steps, the service, then the gpu tests of the glue/stack/service changes
     STEP_S=95 run python3 benchmarks/model.py --cases bar:192,1536 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000

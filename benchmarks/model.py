@@ -281,34 +281,40 @@ def run_case(
         "memory": memory,
         "properties": list(props),
     }
-    try:
-        t0 = time.perf_counter()
-        pot.predict(structures, props)  # warm-up (compile, autotune)
-        torch.cuda.synchronize()
-        row["first_call_s"] = time.perf_counter() - t0
-        if row["cuda_graphs"]:  # small shapes: recorded as a CUDA graph on a later hit
-            for _ in range(RECORD_AFTER):
-                pot.predict(structures, props)
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        repeats = args.repeats if n_atoms >= 2000 else max(args.repeats, SMALL_STEP_REPEATS)
-        ms, mean_ms = _timed(lambda: pot.predict(structures, props), repeats)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        row.update(
-            ms_per_step=ms,
-            mean_ms_per_step=mean_ms,
-            atom_steps_per_s=structures.n_atoms / ms * 1000.0,
-            peak_mib=peak,
-            mib_per_atom=peak / structures.n_atoms,
-        )
-        if path != "compiled" and n_atoms <= args.profile_max_atoms:
-            row["profile"] = profile_step(pot, structures, props, args.profile)
-    except torch.cuda.OutOfMemoryError:
-        row["error"] = "out of memory"
-    finally:
-        if owned:
-            pot.model = pot.model.cpu()  # free the weights and cached packs before the next case
-        torch.cuda.empty_cache()
+    # A compiled model's backward for a new shape is compiled lazily, inside the autograd engine's
+    # device thread on CUDA, where it aborted the process (benchmarks/compile_probe.py): the
+    # compiled series runs its backward on the calling thread.
+    with torch.autograd.set_multithreading_enabled(path != "compiled"):
+        try:
+            t0 = time.perf_counter()
+            pot.predict(structures, props)  # warm-up (compile, autotune)
+            torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - t0
+            if row["cuda_graphs"]:  # small shapes: recorded as a CUDA graph on a later hit
+                for _ in range(RECORD_AFTER):
+                    pot.predict(structures, props)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            repeats = args.repeats if n_atoms >= 2000 else max(args.repeats, SMALL_STEP_REPEATS)
+            ms, mean_ms = _timed(lambda: pot.predict(structures, props), repeats)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            row.update(
+                ms_per_step=ms,
+                mean_ms_per_step=mean_ms,
+                atom_steps_per_s=structures.n_atoms / ms * 1000.0,
+                peak_mib=peak,
+                mib_per_atom=peak / structures.n_atoms,
+            )
+            if path != "compiled" and n_atoms <= args.profile_max_atoms:
+                row["profile"] = profile_step(pot, structures, props, args.profile)
+        except torch.cuda.OutOfMemoryError:
+            row["error"] = "out of memory"
+        finally:
+            if owned:
+                pot.model = (
+                    pot.model.cpu()
+                )  # free the weights and cached packs before the next case
+            torch.cuda.empty_cache()
     return row
 
 
