@@ -29,6 +29,12 @@ Passes (one program per destination atom, candidates ``BLOCK`` at a time):
 Everything but the second pass is launched before the host read: after it the device idles
 until the host has launched what is left, which is on the wall-clock path of every request.
 
+:func:`bounded_direct_pairs` is the same search without the host read, for a CUDA graph to
+record: the batch is padded to a fixed number of rows (rows from the device-resident atom count
+N on are skipped) and the second pass writes into arrays of a fixed capacity, storing no edge
+beyond it; the edge count and the coincidence flag stay on the device for the caller to read
+back with its results.
+
 ``r`` is evaluated like :func:`~service.graph.neighbors.edge_vectors`: ``S·cell`` as the
 row-times-matrix sum ``(S_0·c_0 + S_1·c_1) + S_2·c_2``, then ``(x_j + S·cell) − x_i``, and
 ``|r|² = (r_0² + r_1²) + r_2²``, with floating-point contraction off, so a pair on the cutoff is
@@ -43,6 +49,7 @@ table, ``(B, TABLE_WIDTH)``: ``d`` (9, ``d_a`` at columns ``3a..3a+2``), ``c`` (
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,21 +170,23 @@ def _inverse_frames(cells: Tensor, pbc: Tensor) -> NDArray[np.float64]:
 # pays per operation (and per helper call), a GPU does not care.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("edge_capacity",))
 def _direct_pairs_kernel(
     positions,  # (N, 3) contiguous, float64 or float32
     cells,  # (B, 3, 3) contiguous, positions' dtype
     table,  # (B, TABLE_ROW) float64, see the module docstring
     ptr,  # (B+1,) int64 atom offsets
     atom_batch,  # (N,) int64
-    rowptr,  # (N+2,) int64: pass 1 stores counts at i+1 and raises slot N+1 on a close pair;
-    # pass 2 reads rowptr[i] (after the cumulative sum) as the first edge of i
-    src_out,  # (E,) int64, pass 2
-    dst_out,  # (E,) int64, pass 2
-    shift_out,  # (E, 3) int64, pass 2
-    batch_out,  # (E,) int64, pass 2
-    src_rowptr,  # (N+1,) int64, pass 1 adds one at j+1 per edge with source j
-    n_atoms,
+    atom_count,  # (1,) int64 N: rows from N on (a padded batch's dummy atoms) are skipped
+    rowptr,  # (R+1,) int64, R >= N: pass 1 stores counts at i+1; pass 2 reads rowptr[i] (after
+    # the cumulative sum) as the first edge of i
+    close_flag,  # (1,) int64, pass 1 raises it on a close pair
+    src_out,  # (capacity,) int64, pass 2
+    dst_out,  # (capacity,) int64, pass 2
+    shift_out,  # (capacity, 3) int64, pass 2
+    batch_out,  # (capacity,) int64, pass 2
+    src_rowptr,  # (R+1,) int64, pass 1 adds one at j+1 per edge with source j
+    edge_capacity,  # pass 2 stores no edge from this index on
     TABLE_ROW: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -185,7 +194,7 @@ def _direct_pairs_kernel(
     SINGLE_IMAGE: tl.constexpr,
 ):
     atom = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_ok = atom < n_atoms
+    row_ok = atom < tl.load(atom_count)
     atom = tl.where(row_ok, atom, 0)
     b = tl.load(atom_batch + atom)
     lo = tl.load(ptr + b)
@@ -276,6 +285,7 @@ def _direct_pairs_kernel(
         if WRITE:
             rank = (tl.cumsum(keep_count, 1) - 1).to(tl.int64)
             edge = (first_edge + accepted)[:, None] + rank
+            keep = keep & (edge < edge_capacity)
             tl.store(src_out + edge, j, mask=keep)
             tl.store(dst_out + edge, tl.broadcast_to(i, (ROWS, BLOCK)), mask=keep)
             tl.store(batch_out + edge, tl.broadcast_to(b, (ROWS, BLOCK)), mask=keep)
@@ -289,10 +299,10 @@ def _direct_pairs_kernel(
         accepted += tl.sum(keep_count, 1).to(tl.int64)
     if not WRITE:
         tl.store(rowptr + atom + 1, accepted, mask=row_ok)
-        tl.atomic_max(rowptr + n_atoms + 1, tl.max(close, 0))
+        tl.atomic_max(close_flag, tl.max(close, 0))
 
 
-# Launcher
+# Launchers
 
 
 @dataclass(frozen=True)
@@ -311,6 +321,59 @@ class DirectPairs:
     dst_rowptr: Tensor
     src_rowptr: Tensor
     edge_ptr: Tensor
+
+
+@dataclass(frozen=True)
+class BoundedPairs:
+    """A padded batch's edges in arrays of a fixed capacity (all int64, on the device).
+
+    ``dst``, ``src``, ``edge_batch`` (capacity,) and ``shifts`` (capacity, 3) hold the first
+    ``min(E, capacity)`` edges in canonical order (the rest is left unwritten);
+    ``dst_rowptr`` and ``src_rowptr`` (R+1,) are the full cumulative counts (constant ``E`` from
+    row N on, even beyond the capacity); ``totals`` (2,) is ``[E, close]``, ``close`` non-zero
+    when some pair is closer than the table's ``min_distance``.
+    """
+
+    dst: Tensor
+    src: Tensor
+    shifts: Tensor
+    edge_batch: Tensor
+    dst_rowptr: Tensor
+    src_rowptr: Tensor
+    totals: Tensor
+
+
+def _default_tiles(device: torch.device) -> Tiles:
+    return GPU_TILES if device.type == "cuda" else INTERPRETER_TILES
+
+
+def _launch_pass(
+    batch: tuple[Tensor, ...],
+    rowptr: Tensor,
+    src_rowptr: Tensor,
+    edges: tuple[Tensor, ...],
+    *,
+    write: bool,
+    single_image: bool,
+    tiles: Tiles,
+) -> None:
+    """One pass over rows ``0 .. R-1`` (R = ``len(src_rowptr) - 1``). ``batch``: positions,
+    cells, table, ptr, atom_batch and the (1,) atom count N; ``rowptr`` (R+2,) ends with the
+    close flag; ``edges``: src, dst, shifts, edge_batch (empty for the counting pass)."""
+    n_rows = src_rowptr.shape[0] - 1
+    _direct_pairs_kernel[(triton.cdiv(n_rows, tiles.rows),)](
+        *batch, rowptr, rowptr[n_rows + 1 :], *edges, src_rowptr, edges[0].shape[0],
+        TABLE_ROW=TABLE_WIDTH, ROWS=tiles.rows, BLOCK=tiles.block, WRITE=write,
+        SINGLE_IMAGE=single_image, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def _edge_arrays(n_edges: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Uninitialised src, dst, shifts, edge_batch for ``n_edges`` edges."""
+    src = torch.empty(n_edges, dtype=torch.int64, device=device)
+    dst = torch.empty_like(src)
+    shifts = torch.empty(n_edges, 3, dtype=torch.int64, device=device)
+    return src, dst, shifts, torch.empty_like(src)
 
 
 def direct_pairs(
@@ -338,20 +401,15 @@ def direct_pairs(
     cells = cells.to(positions.dtype).contiguous()
     rowptr = torch.zeros(n_atoms + 2, dtype=torch.int64, device=device)
     src_rowptr = torch.zeros(n_atoms + 1, dtype=torch.int64, device=device)
-    empty = torch.empty(0, dtype=torch.int64, device=device)
-    args = (positions, cells, table, ptr, atom_batch, rowptr)
-    if tiles is None:
-        tiles = GPU_TILES if device.type == "cuda" else INTERPRETER_TILES
-
-    def launch(outputs: tuple[Tensor, ...], write: bool) -> None:
-        _direct_pairs_kernel[(triton.cdiv(n_atoms, tiles.rows),)](
-            *args, *outputs, src_rowptr, n_atoms, TABLE_ROW=TABLE_WIDTH, ROWS=tiles.rows,
-            BLOCK=tiles.block, WRITE=write, SINGLE_IMAGE=single_image, num_warps=4,
-            enable_fp_fusion=False,
-        )  # fmt: skip
-
+    batch = (positions, cells, table, ptr, atom_batch, ptr[-1:])  # ptr[B] is N
+    tiles = tiles or _default_tiles(device)
     if n_atoms > 0:
-        launch((empty, empty, empty.view(0, 3), empty), write=False)
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        counting = (empty, empty, empty.view(0, 3), empty)
+        _launch_pass(
+            batch, rowptr, src_rowptr, counting, write=False, single_image=single_image,
+            tiles=tiles,
+        )  # fmt: skip
     dst_rowptr = rowptr[: n_atoms + 1]
     dst_rowptr[1:].cumsum_(0)
     src_rowptr[1:].cumsum_(0)
@@ -359,10 +417,45 @@ def direct_pairs(
     n_edges, close = rowptr[n_atoms:].tolist()
     if close:
         return None
-    src = torch.empty(n_edges, dtype=torch.int64, device=device)
-    dst = torch.empty_like(src)
-    shifts = torch.empty(n_edges, 3, dtype=torch.int64, device=device)
-    edge_batch = torch.empty_like(src)
+    edges = _edge_arrays(n_edges, device)
     if n_edges > 0:
-        launch((src, dst, shifts, edge_batch), write=True)
+        _launch_pass(
+            batch, rowptr, src_rowptr, edges, write=True, single_image=single_image, tiles=tiles
+        )
+    src, dst, shifts, edge_batch = edges
     return DirectPairs(dst, src, shifts, edge_batch, dst_rowptr, src_rowptr, edge_ptr)
+
+
+def bounded_direct_pairs(
+    positions: Tensor, cells: Tensor, ptr: Tensor, atom_batch: Tensor, table: Tensor,
+    atom_count: Tensor, capacity: int, *, single_image: bool, tiles: Tiles | None = None,
+) -> BoundedPairs:  # fmt: skip
+    """The direct search of a batch padded to R >= N rows, into arrays of ``capacity`` edges,
+    without a host read: every launch has a fixed shape, so a CUDA graph can record it.
+
+    Args:
+        positions: (R, 3), atom_batch: (R,) rows padded beyond the real N atoms (never read).
+        cells: (B', 3, 3), table: (B', TABLE_WIDTH), ptr: (B'+1,) structures padded beyond the
+            real B (only the real structures' rows and offsets are read).
+        atom_count: (1,) int64 N, on the device.
+        capacity: edges the arrays hold; edges beyond it are counted but not stored.
+        single_image, tiles: as for :func:`direct_pairs`.
+    """
+    n_rows = positions.shape[0]
+    device = positions.device
+    rowptr = torch.zeros(n_rows + 2, dtype=torch.int64, device=device)
+    src_rowptr = torch.zeros(n_rows + 1, dtype=torch.int64, device=device)
+    batch = (positions, cells, table, ptr, atom_batch, atom_count)
+    tiles = tiles or _default_tiles(device)
+    edges = _edge_arrays(capacity, device)
+    launch = functools.partial(
+        _launch_pass, batch, rowptr, src_rowptr, edges, single_image=single_image, tiles=tiles
+    )
+    launch(write=False)
+    rowptr[1 : n_rows + 1].cumsum_(0)
+    src_rowptr[1:].cumsum_(0)
+    launch(write=True)
+    src, dst, shifts, edge_batch = edges
+    return BoundedPairs(
+        dst, src, shifts, edge_batch, rowptr[: n_rows + 1], src_rowptr, rowptr[n_rows:]
+    )

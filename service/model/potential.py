@@ -9,9 +9,11 @@
 A host batch goes to the device in one packed copy, its atom types riding along, and its
 neighbour list is built there (:func:`~service.graph.neighbors.place_and_build_graph_carrying`:
 the direct Triton search for small and medium batches, one host read for the edge count). Small
-batches on CUDA (below ``CAPTURE_MAX_ATOMS``) then replay a CUDA graph of everything after it
-(:mod:`service.model.captured`, padded on the device): one launch instead of ~1,400.
-``capture=False`` turns that off (training always runs eagerly).
+host batches on CUDA (below ``CAPTURE_MAX_ATOMS``, direct search) replay a CUDA graph of the
+whole step, search included (:mod:`service.model.captured`): one launch instead of ~1,400, and
+once a batch's bucket can be predicted from earlier batches, no host read before it; the
+replay's outputs come back to the host in one copy. ``capture=False`` turns that off (training
+always runs eagerly).
 
 Each phase runs under a ``so2serve::<phase>`` profiler range (graph, edge_cache, model, backward,
 assembly; free when no profiler is active), so benchmarks/model.py --profile can split a step.
@@ -26,7 +28,7 @@ and reported in :class:`ExecutionInfo` (hence in ``/info`` and every response's 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,11 +39,13 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from service.graph.assembly import assemble_forces_virial, stress_from_virial
+from service.graph.cell_list import COINCIDENT_DISTANCE
 from service.graph.edge_cache import build_edge_cache
 from service.graph.errors import InvalidStructureError
-from service.graph.neighbors import edge_vectors, place_and_build_graph_carrying
+from service.graph.neighbors import edge_vectors, place_and_build_graph_carrying, resolve_backend
+from service.graph.pair_search import image_windows
 from service.graph.structures import Structures
-from service.model.captured import CapturedSteps, StepInputs, StepOutputs
+from service.model.captured import CapturedSteps, ReplayBatch, StepInputs, StepOutputs
 from service.model.config import ModelConfig
 from service.model.dpa4 import DPA4Model
 from service.model.errors import ModelFileError
@@ -75,7 +79,9 @@ AUTO_MEMORY_FRACTION = 0.5
 
 @dataclass
 class Prediction:
-    """Results of one batch, all float64 on the potential's device.
+    """Results of one batch, float64: on the potential's device, or on the host when a CUDA
+    graph replayed the step (its one copy back to the host also carries the edge count that
+    tells whether the replay's bucket held the batch).
 
     ``stress`` is ASE Voigt ``(xx, yy, zz, yz, xz, xy)`` in eV/Å³; rows of structures without a
     full 3-D periodic cell are NaN (a volume is undefined). Fields not requested are ``None``.
@@ -295,31 +301,32 @@ class Potential:
         cfg = self.config
         types = self.atom_types(structures)  # unknown elements fail here, where the numbers live
         want_grad = bool({"forces", "virial", "stress"} & set(properties))
-        captured = self._captured if want_grad and not create_graph else None
-        if captured is not None and not captured.accepts(structures.n_atoms, 0):
-            captured = None
-        with record_function("so2serve::graph"):
-            # The types ride in the batch's packed copy: nothing is left to launch between the
-            # search's host read and the step.
-            structures, graph, (types,) = place_and_build_graph_carrying(
-                structures, cfg.rcut, self.device, [types]
-            )
-        inputs = StepInputs(graph, structures.positions, structures.cells, types)
-        edge_chunk = edge_chunk_for(
-            self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph
-        )
+        replay = self._replay_batch(structures, types) if want_grad and not create_graph else None
         out = None
-        if (
-            captured is not None
-            and edge_chunk is None
-            and captured.accepts(graph.n_atoms, graph.n_edges)
-        ):
-            out = self._replay(captured, inputs)
+        if replay is not None:
+            # A graph recorded for this batch's predicted bucket costs no memory beyond what it
+            # holds, so the memory mode (decided on the edge count) does not gate it.
+            out = self._replay(lambda captured: captured.speculate(replay))
         if out is None:
-            out = self._step(
-                inputs.to(self.device), want_grad=want_grad, create_graph=create_graph,
-                edge_chunk=edge_chunk,
-            )  # fmt: skip
+            with record_function("so2serve::graph"):
+                # The types ride in the batch's packed copy: nothing is left to launch between
+                # the search's host read and the step.
+                placed, graph, (placed_types,) = place_and_build_graph_carrying(
+                    structures, cfg.rcut, self.device, [types]
+                )
+            edge_chunk = edge_chunk_for(
+                self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph
+            )
+            if replay is not None and edge_chunk is None:
+                n_edges = graph.n_edges
+                out = self._replay(lambda captured: captured.run(replay, n_edges))
+            if out is None:
+                inputs = StepInputs(graph, placed.positions, placed.cells, placed_types)
+                out = self._step(
+                    inputs.to(self.device), want_grad=want_grad, create_graph=create_graph,
+                    edge_chunk=edge_chunk,
+                )  # fmt: skip
+                structures = placed  # its outputs are on the device: so is the stress
         result = Prediction(energy=out.energy)
         if "energies" in properties:
             result.energies = out.atom_energy
@@ -328,9 +335,7 @@ class Potential:
         if "virial" in properties or "stress" in properties:
             result.virial = out.virial
         if "stress" in properties:
-            result.stress = stress_from_virial(
-                out.virial, structures.cells.to(self.device), structures.pbc.to(self.device)
-            )
+            result.stress = stress_from_virial(out.virial, structures.cells, structures.pbc)
         return result
 
     def release_cached_memory(self) -> None:
@@ -339,14 +344,36 @@ class Potential:
         if self._captured is not None:
             self._captured.clear()
 
-    def _replay(self, captured: CapturedSteps, inputs: StepInputs) -> StepOutputs | None:
-        """Replay (``None``: evaluate eagerly). If capturing fails (an op that cannot be
-        recorded), warn once and turn replay off for this potential: a request never fails for
-        an optimisation. Out of memory is not such a failure: the recorded graphs are dropped
-        (their pools freed) and the error goes to the caller's OOM handling (the engine
-        bisects the batch)."""
+    def _replay_batch(self, structures: Structures, types: Tensor) -> ReplayBatch | None:
+        """The batch as a recorded step takes it, or ``None`` where replay does not apply: no
+        CUDA graphs, a batch already on the device, too many atoms, or a search other than
+        the direct one (the only one a graph can record)."""
+        captured = self._captured
+        if (
+            captured is None
+            or structures.device.type != "cpu"
+            or not captured.accepts(structures.n_atoms, 0)
+        ):
+            return None
+        windows = image_windows(
+            structures.cells, structures.pbc, structures.ptr, self.config.rcut,
+            COINCIDENT_DISTANCE,
+        )  # fmt: skip
+        if resolve_backend(self.device, "auto", windows) != "direct":
+            return None
+        return ReplayBatch(structures, types, windows)
+
+    def _replay(self, run: Callable[[CapturedSteps], StepOutputs | None]) -> StepOutputs | None:
+        """``run`` on the recorded steps (``None``: evaluate eagerly). If capturing fails (an
+        op that cannot be recorded), warn once and turn replay off for this potential: a
+        request never fails for an optimisation. Out of memory is not such a failure: the
+        recorded graphs are dropped (their pools freed) and the error goes to the caller's OOM
+        handling (the engine bisects the batch)."""
+        captured = self._captured
+        if captured is None:  # turned off by an earlier failure of this same call
+            return None
         try:
-            return captured.run(inputs)
+            return run(captured)
         except torch.cuda.OutOfMemoryError:
             captured.clear()
             raise

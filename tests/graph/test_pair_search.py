@@ -1,5 +1,6 @@
 """Direct pair search: the same graph as the cell list and vesin, bit for bit (CPU interpreter,
-an sm_90 compile, and a CUDA comparison at a few thousand atoms for the lead)."""
+an sm_90 compile, and a CUDA comparison at a few thousand atoms for the lead); its bounded,
+host-read-free variant for recorded steps."""
 
 from __future__ import annotations
 
@@ -198,6 +199,45 @@ def test_gpu_tiles_and_multi_step_walks_agree() -> None:
             assert torch.equal(getattr(first, name), getattr(other, name)), name
 
 
+def test_bounded_search_equals_the_direct_search() -> None:
+    """The host-read-free search of a padded batch (dummy rows all at the origin, which would be
+    close pairs if they were searched; a padding structure) into arrays of fixed capacity: the
+    stored edges are the first ``min(E, capacity)`` of the direct search, the counts and the
+    totals are the same whatever the capacity."""
+    names = ("thin_cell", "small_cell", "slab_zero_c", "molecule")
+    batch = Structures.from_arrays([item for name, item in GEOMETRIES if name in names])
+    windows = windows_of(batch)
+    table = torch.from_numpy(windows.table)
+    want = direct_pairs(
+        batch.positions, batch.cells, batch.ptr, batch.atom_batch, table,
+        single_image=windows.single_image,
+    )  # fmt: skip
+    assert want is not None
+    n, b, e = batch.n_atoms, batch.n_structures, want.src.shape[0]
+    dummies = 5
+    padded = (
+        torch.cat([batch.positions, torch.zeros(dummies, 3, dtype=torch.float64)]),
+        torch.cat([batch.cells, torch.eye(3, dtype=torch.float64)[None]]),
+        torch.cat([batch.ptr, torch.tensor([n + dummies])]),
+        torch.cat([batch.atom_batch, torch.full((dummies,), b)]),
+        torch.cat([table, torch.zeros(1, table.shape[1], dtype=torch.float64)]),
+        torch.tensor([n]),
+    )
+    for capacity, tiles in ((e + 7, None), (e, Tiles(rows=8, block=64)), (e - 9, None)):
+        got = pair_search.bounded_direct_pairs(
+            *padded, capacity, single_image=windows.single_image, tiles=tiles
+        )
+        kept = min(e, capacity)
+        for name in ("dst", "src", "shifts", "edge_batch"):
+            assert getattr(got, name).shape[0] == capacity, name
+            assert torch.equal(getattr(got, name)[:kept], getattr(want, name)[:kept]), name
+        for name in ("dst_rowptr", "src_rowptr"):
+            counts = getattr(got, name)
+            assert torch.equal(counts[: n + 1], getattr(want, name)), name
+            assert bool((counts[n:] == e).all()), name
+        assert got.totals.tolist() == [e, 0]
+
+
 def test_float32_positions_equal_cell_list() -> None:
     items = [item for name, item in GEOMETRIES if name in ("triclinic0", "thin_cell", "molecule")]
     batch = Structures.from_arrays(items)
@@ -326,8 +366,9 @@ from triton.compiler import ASTSource
 from service.graph import pair_search as ps
 
 pointers = {"positions": "*{x}", "cells": "*{x}", "table": "*fp64", "ptr": "*i64",
-            "atom_batch": "*i64", "rowptr": "*i64", "src_out": "*i64", "dst_out": "*i64",
-            "shift_out": "*i64", "batch_out": "*i64", "src_rowptr": "*i64", "n_atoms": "i64"}
+            "atom_batch": "*i64", "atom_count": "*i64", "rowptr": "*i64", "close_flag": "*i64",
+            "src_out": "*i64", "dst_out": "*i64", "shift_out": "*i64", "batch_out": "*i64",
+            "src_rowptr": "*i64", "edge_capacity": "i64"}
 consts = ("TABLE_ROW", "ROWS", "BLOCK", "WRITE", "SINGLE_IMAGE")
 contracted = 0
 for dtype in ("fp64", "fp32"):

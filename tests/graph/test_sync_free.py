@@ -1,6 +1,8 @@
 """One energy+force step issues no host round trip once warm (the CPU stand-in for the CUDA
 sync audit of ``benchmarks/sync_audit.py``): no upload of host data, no scalar read, no
-data-dependent shape, on the reference path and on the fused path (Triton interpreter)."""
+data-dependent shape, on the reference path and on the fused path (Triton interpreter). On
+CUDA, a step replayed from a recorded graph, neighbour search included, makes exactly one: the
+copy of its outputs."""
 
 from __future__ import annotations
 
@@ -69,3 +71,34 @@ def test_cuda_step_has_no_sync(fused: bool) -> None:
     log = audit_step(model, _two_waters(), types, torch.device("cuda"), fused=fused)
     report = "\n".join(f"{e.kind}: {' <- '.join(reversed(e.stack[-4:]))}" for e in log.events)
     assert not log.events, report
+
+
+@pytest.mark.gpu
+def test_replayed_step_makes_one_round_trip() -> None:
+    """A host batch replayed in its predicted bucket, search included: one synchronising call
+    (the copy of the outputs, which carries the edge count) and the eager step's results."""
+    from service.model.captured import RECORD_AFTER
+    from service.model.potential import Potential, Prediction
+    from tests.graph.helpers import cuda_syncs
+
+    model = randomized_model(CONFIG)
+    eager = Potential(model, device="cuda", capture=False)
+    replayed = Potential(model, device="cuda")
+    props = ("energy", "forces", "stress")
+    waters = _two_waters()
+    for _ in range(RECORD_AFTER + 1):
+        replayed.predict(waters, props)
+    torch.cuda.synchronize()
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        noise = torch.from_numpy(rng.normal(0.0, 0.02, (waters.n_atoms, 3)))
+        moved = Structures(
+            waters.numbers, waters.positions + noise, waters.cells, waters.pbc, waters.ptr
+        )
+        results: list[Prediction] = []
+        syncs = cuda_syncs(lambda: results.append(replayed.predict(moved, props)))  # noqa: B023
+        assert len(syncs) == 1, syncs
+        want = eager.predict(moved, props)
+        for name in props:
+            got, expected = getattr(results[0], name), getattr(want, name)
+            assert float((got.cpu() - expected.cpu()).abs().max()) <= 1e-5, name

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+import types
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -10,20 +14,28 @@ import torch
 from ase import Atoms
 
 from service.graph.neighbors import build_graph
+from service.graph.pair_search import image_windows
 from service.graph.structures import Structures
 from service.model.captured import (
     RECORD_AFTER,
+    BatchKey,
+    Bucket,
+    CapturedSteps,
+    ReplayBatch,
+    StaticBatch,
     StepInputs,
     StepOutputs,
     StepShape,
     _PackedOutputs,
+    _Recorded,
     _WeightVersions,
     bucket_size,
     pad_inputs,
-    pad_into,
+    search_and_pad,
+    stage,
 )
 from service.model.config import preset
-from service.model.potential import Potential
+from service.model.potential import Potential, Prediction
 from tests.graph.helpers import cuda_syncs
 from tests.model.randomized import randomized_model
 from tests.offline_compile import run_without_interpreter
@@ -120,43 +132,96 @@ STEP_GRAPH_TENSORS = (
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("cells_dtype", [torch.float64, torch.float32])
-def test_pad_into_writes_what_pad_inputs_builds(cells_dtype: torch.dtype) -> None:
-    """The one-launch padding into a recorded graph's buffers equals the eager padding bit for
-    bit: a full edge bucket (no padded edge), several empty padding structures, a smaller batch
-    written over a larger one's leftovers, and an odd rcut/2 that fp32 cannot hold."""
+def _replay_batch(structures: Structures, rcut: float) -> ReplayBatch:
+    types = torch.arange(structures.n_atoms) % 2
+    windows = image_windows(structures.cells, structures.pbc, structures.ptr, rcut, 1e-4)
+    return ReplayBatch(structures, types, windows)
+
+
+def _searched(batch: ReplayBatch, shape: StepShape, rcut: float) -> tuple[StepInputs, list[int]]:
+    """What a recorded graph computes from the staged batch, run eagerly (interpreter)."""
+    static = StaticBatch.view(stage(batch, shape, rcut, pin_memory=False), shape)
+    inputs, totals = search_and_pad(static, shape, batch.windows.single_image)
+    return inputs, totals.tolist()
+
+
+def _single_image_batch() -> Structures:
+    """Cells of at least twice the cutoff in height: one image per pair (the fast variant)."""
+    rng = np.random.default_rng(11)
+    box = Atoms("OH2" * 5, positions=rng.uniform(0, 12, (15, 3)), cell=np.eye(3) * 12, pbc=True)
+    slab = Atoms("OHH", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]], cell=np.eye(3) * 12)
+    slab.pbc = (True, True, False)
+    return Structures.from_atoms([_systems()[0], box, slab])
+
+
+@pytest.mark.parametrize("variant", ["multi_image", "single_image"])
+def test_searched_padding_equals_pad_inputs(variant: str) -> None:
+    """The recorded graph's search and padding (run eagerly here) build exactly what
+    :func:`pad_inputs` builds from the graph of the host search, for a molecule, a triclinic
+    crystal and a slab: a roomy bucket, a full edge bucket (no padded edge), a single dummy
+    atom, several empty padding structures, an rcut/2 that is not a round number."""
     rcut = 4.0 + 1.0 / 3.0
-    structures = _batch()
-    graph = build_graph(structures, CONFIG.rcut)
-    positions, cells = structures.positions.to(cells_dtype), structures.cells.to(cells_dtype)
-    types = torch.arange(graph.n_atoms) % 2
-    full = StepInputs(graph, positions, cells, types)
-    one = build_graph(Structures.from_atoms(_systems()[:1]), CONFIG.rcut)
-    small = StepInputs(one, positions[: one.n_atoms], cells[:1], types[: one.n_atoms])
-    diagonal = torch.full((1,), 0.5 * rcut, dtype=cells_dtype)
+    structures = _batch() if variant == "multi_image" else _single_image_batch()
+    batch = _replay_batch(structures, rcut)
+    assert batch.windows.single_image == (variant == "single_image")
+    graph = build_graph(structures, rcut, backend="torch")
+    n, e, b = graph.n_atoms, graph.n_edges, graph.n_structures
+    plain = StepInputs(graph, structures.positions, structures.cells, batch.types)
     for shape in (
-        StepShape(n_atoms=64, n_edges=graph.n_edges, n_structures=4),
-        StepShape(n_atoms=graph.n_atoms + 1, n_edges=graph.n_edges + 1, n_structures=8),
-        StepShape.padded(graph.n_atoms, graph.n_edges, graph.n_structures),
+        StepShape.padded(n, e, b),
+        StepShape(n_atoms=64, n_edges=e, n_structures=8),
+        StepShape(n_atoms=n + 1, n_edges=e + 1, n_structures=b + 1),
     ):
-        static = pad_inputs(full, shape, rcut)
-        for inputs in (small, full):
-            pad_into(static, inputs, diagonal)
-            _assert_same_inputs(static, pad_inputs(inputs, shape, rcut))
+        got, totals = _searched(batch, shape, rcut)
+        assert totals == [e, 0]
+        _assert_same_inputs(got, pad_inputs(plain, shape, rcut))
 
 
-def test_pad_into_refuses_a_batch_beyond_the_bucket() -> None:
+def test_overflow_and_close_pairs_are_flagged() -> None:
+    """Edges beyond the bucket are counted, not stored, and leave an in-bounds graph; a pair
+    closer than the minimum distance raises the flag."""
+    rcut = CONFIG.rcut
     structures = _batch()
-    graph = build_graph(structures, CONFIG.rcut)
+    batch = _replay_batch(structures, rcut)
+    n_edges = build_graph(structures, rcut, backend="torch").n_edges
+    shape = StepShape(n_atoms=64, n_edges=n_edges - 20, n_structures=4)
+    inputs, totals = _searched(batch, shape, rcut)
+    assert totals == [n_edges, 0]
+    g = inputs.graph
+    for rowptr in (g.dst_rowptr, g.src_rowptr, g.edge_ptr):
+        assert int(rowptr[0]) == 0 and int(rowptr[-1]) == shape.n_edges
+        assert bool((torch.diff(rowptr) >= 0).all())
+    assert int(g.src.max()) < shape.n_atoms and int(g.dst.max()) < shape.n_atoms
+    assert torch.equal(g.src_order.sort().values, torch.arange(shape.n_edges))
+
+    positions = structures.positions.clone()
+    positions[1] = positions[0] + torch.tensor([5e-5, 0.0, 0.0], dtype=torch.float64)
+    close = Structures(
+        structures.numbers, positions, structures.cells, structures.pbc, structures.ptr
+    )
+    _, totals = _searched(_replay_batch(close, rcut), StepShape.padded(15, 400, 3), rcut)
+    assert totals[1] == 1
+
+
+def test_padded_sources_keep_the_source_order() -> None:
+    """The claim :func:`search_and_pad` relies on: a stable argsort of the padded ``src`` is
+    the real edges' source order followed by the padded edges in place."""
+    structures = _batch()
+    graph = build_graph(structures, CONFIG.rcut, backend="torch")
     inputs = StepInputs(graph, structures.positions, structures.cells, torch.zeros(15).long())
-    static = pad_inputs(inputs, StepShape.padded(15, graph.n_edges, 3), CONFIG.rcut)
-    bigger = StepInputs(
-        build_graph(Structures.concat([structures, structures]), CONFIG.rcut),
-        structures.positions.repeat(2, 1), structures.cells.repeat(2, 1, 1),
-        torch.zeros(30).long(),
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="does not fit"):
-        pad_into(static, bigger, torch.ones(1, dtype=torch.float64))
+    for extra in (0, 1, 37, 1000):
+        shape = StepShape.padded(graph.n_atoms, graph.n_edges + extra, graph.n_structures)
+        padded = pad_inputs(inputs, shape, CONFIG.rcut).graph
+        assert torch.equal(torch.argsort(padded.src, stable=True), padded.src_order), extra
+
+
+def test_batch_keys_and_buckets() -> None:
+    structures = _batch()
+    key = BatchKey.of(_replay_batch(structures, CONFIG.rcut))
+    assert (key.n_atoms, key.n_structures, key.single_image) == (64, 4, False)
+    shape = StepShape.padded(structures.n_atoms, 188, structures.n_structures)
+    assert key.bucket(188).shape == shape and not key.bucket(188).single_image
+    assert key.bucket(0).shape.n_edges == bucket_size(1)
 
 
 _SM90_COMPILE = """
@@ -165,26 +230,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from service.model import captured
 
-kernel = captured._pad_into_kernel
-for dtype in ("fp64", "fp32"):
-    signature = {}
-    for name in kernel.arg_names:
-        if name == "BLOCK":
-            signature[name] = "constexpr"
-        elif name in captured._PAD_SIZES:
-            signature[name] = "i32"
-        elif name.removeprefix("out_") in ("positions", "cells", "dummy_cell_diagonal"):
-            signature[name] = "*" + dtype
-        else:
-            signature[name] = "*i64"
-    source = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK": captured._PAD_BLOCK})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert compiled.asm["cubin"]
+kernel = captured._pad_graph_kernel
+signature = {}
+for name in kernel.arg_names:
+    if name == "BLOCK":
+        signature[name] = "constexpr"
+    elif name in captured._PAD_SIZES:
+        signature[name] = "i32"
+    else:
+        signature[name] = "*i64"
+source = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK": captured._PAD_BLOCK})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+assert compiled.asm["cubin"]
 print("ok")
 """
 
 
-def test_pad_into_kernel_compiles_for_sm90() -> None:
+def test_pad_graph_kernel_compiles_for_sm90() -> None:
     """The padding kernel lowers for the H200 (CPU runs only interpret it)."""
     assert run_without_interpreter(_SM90_COMPILE).split()[-1] == "ok"
 
@@ -197,8 +259,9 @@ def test_packed_outputs_give_back_the_real_rows() -> None:
         forces=torch.randn(64, 3, dtype=torch.float64, generator=generator),
         virial=torch.randn(4, 3, 3, dtype=torch.float64, generator=generator),
     )
-    packed = _PackedOutputs.pack(padded)
-    got = packed.unpack(n_atoms=15, n_structures=3)
+    packed = _PackedOutputs.pack(padded, torch.tensor([17_064, 1]))
+    got, n_edges, close = packed.fetch(n_atoms=15, n_structures=3)
+    assert (n_edges, close) == (17_064, True)
     packed.buffer.zero_()  # a later replay overwrites the buffer, not the returned copy
     for name, rows in (("energy", 3), ("atom_energy", 15), ("forces", 15), ("virial", 3)):
         a, b = getattr(got, name), getattr(padded, name)[:rows]
@@ -227,59 +290,208 @@ def _water(n_rep: int) -> Structures:
     return Structures.from_atoms([atoms.repeat(n_rep)])
 
 
+def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """Replayed outputs are on the host, eager ones on the device."""
+    assert a is not None and b is not None
+    return float((a.cpu() - b.cpu()).abs().max())
+
+
+def _moved(s: Structures, rng: np.random.Generator, scale: float = 1.0) -> Structures:
+    """``s`` with jittered positions, positions and cells scaled by ``scale``."""
+    noise = torch.from_numpy(rng.normal(0, 0.02, (s.n_atoms, 3)))
+    return Structures(s.numbers, (s.positions + noise) * scale, s.cells * scale, s.pbc, s.ptr)
+
+
+PROPS = ("energy", "forces", "stress", "energies")
+
+
+def _assert_agree(eager: Potential, replayed: Potential, s: Structures, energy_tol: float) -> None:
+    a, b = eager.predict(s, PROPS), replayed.predict(s, PROPS)
+    assert _max_diff(a.forces, b.forces) <= 1e-5
+    assert _max_diff(a.energy, b.energy) <= energy_tol
+    assert _max_diff(a.stress, b.stress) <= 1e-7
+
+
 @pytest.mark.gpu
 def test_captured_matches_eager_on_gpu() -> None:
     from service.model.potential import load_potential
 
-    eager = load_potential(None, device="cuda")
-    eager._captured = None
+    eager = load_potential(None, device="cuda", capture=False)
     replayed = load_potential(None, device="cuda")
     assert replayed._captured is not None
-    props = ("energy", "forces", "stress", "energies")
     rng = np.random.default_rng(0)
-    for step in range(4):  # new positions each time: the replay must read fresh inputs
-        s = _water(1)
-        s = Structures(
-            numbers=s.numbers,
-            positions=s.positions + torch.from_numpy(rng.normal(0, 0.02, (s.n_atoms, 3))),
-            cells=s.cells,
-            pbc=s.pbc,
-            ptr=s.ptr,
-        )
-        a, b = eager.predict(s, props), replayed.predict(s, props)
-        assert a.forces is not None and b.forces is not None
-        assert float((a.forces - b.forces).abs().max()) <= 1e-5, step
-        assert float((a.energy - b.energy).abs().max()) <= 1e-4
-        assert float((a.stress - b.stress).abs().max()) <= 1e-7  # type: ignore[operator]
-    assert replayed._captured.n_graphs >= 1
-    # a batch of two structures falls in another bucket and is still right; 1,536 atoms build
-    # their graph on the device and are padded there
-    two = Structures.concat([_water(1), _water(1)])
+    water = _water(1)
+    for _ in range(RECORD_AFTER + 2):  # new positions each time: the replay reads fresh inputs
+        _assert_agree(eager, replayed, _moved(water, rng), 1e-4)
+    assert replayed._captured.n_graphs == 1
+    # a batch of two structures falls in another bucket and is still right; so do 1,536 atoms
+    two = Structures.concat([water, water])
     for batch in (two, _water(2)):
-        for _ in range(RECORD_AFTER):  # a bucket is recorded on its third hit
-            a, b = eager.predict(batch, props), replayed.predict(batch, props)
-        assert float((a.forces - b.forces).abs().max()) <= 1e-5  # type: ignore[operator]
-        assert float((a.energy - b.energy).abs().max()) <= 1e-3
+        for _ in range(RECORD_AFTER + 1):  # recorded on the third hit, speculated on the fourth
+            _assert_agree(eager, replayed, _moved(batch, rng), 1e-3)
+    assert replayed._captured.n_graphs == 3
     # changing a weight drops the recorded graphs
     with torch.no_grad():
         replayed.model.energy_bias.add_(1.0)
         eager.model.energy_bias.add_(1.0)
-    for _ in range(RECORD_AFTER):
-        a, b = eager.predict(two, props), replayed.predict(two, props)
-        assert float((a.energy - b.energy).abs().max()) <= 1e-4
+    for _ in range(RECORD_AFTER + 1):
+        _assert_agree(eager, replayed, two, 1e-4)
+    assert replayed._captured.n_graphs == 1
+
+
+def _collect(results: list[Prediction], pot: Potential, s: Structures) -> list[str]:
+    results.append(pot.predict(s, PROPS))
+    return []
+
+
+EDGE_BUCKET_WALK = (0, 0, 0, 0, 1, 0, 1, 1, 1, 0, 0)
+"""A batch (0) and a denser one of the same key in a bigger edge bucket (1), in this order ..."""
+EDGE_BUCKET_TRACE = (
+    "missed eager", "missed eager", "missed replayed", "speculated",  # recorded on the 3rd hit
+    "missed eager",  # overflow of the predicted bucket: outputs discarded, host read
+    "missed replayed",  # the dense bucket was predicted but has no graph; host read
+    "missed eager", "missed replayed", "speculated",
+    "speculated",  # predicted the dense bucket, accepted in it, the sparse one predicted next
+    "speculated",
+)  # fmt: skip
+"""... and what each step goes through: ``CapturedSteps.speculate`` (``speculated`` or
+``missed``), then, after a miss, ``CapturedSteps.run`` (``replayed`` or ``eager``)."""
+
+
+def _walk_edge_buckets(
+    eager: Potential, replayed: Potential, batches: tuple[Structures, Structures],
+    tolerance: float, check_syncs: bool,
+) -> list[Prediction]:  # fmt: skip
+    """Predict :data:`EDGE_BUCKET_WALK` with both potentials; check the path each step takes,
+    its agreement with the eager step within ``tolerance`` (forces and energies, stress a
+    hundredth of it), and with ``check_syncs`` one host round trip per speculative replay."""
+    from service.model.captured import CapturedSteps
+
+    trace: list[str] = []
+    speculate, run = CapturedSteps.speculate, CapturedSteps.run
+
+    def traced_speculate(self: CapturedSteps, batch: ReplayBatch) -> StepOutputs | None:
+        out = speculate(self, batch)
+        trace.append("speculated" if out is not None else "missed")
+        return out
+
+    def traced_run(self: CapturedSteps, batch: ReplayBatch, n_edges: int) -> StepOutputs | None:
+        out = run(self, batch, n_edges)
+        trace.append("replayed" if out is not None else "eager")
+        return out
+
+    wanted = [eager.predict(batch, PROPS) for batch in batches]
+    results: list[Prediction] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CapturedSteps, "speculate", traced_speculate)
+        patch.setattr(CapturedSteps, "run", traced_run)
+        for step, which in enumerate(EDGE_BUCKET_WALK):
+            trace.clear()
+            want = wanted[which]
+            predict = functools.partial(_collect, results, replayed, batches[which])
+            syncs = cuda_syncs(predict) if check_syncs else predict()
+            assert " ".join(trace) == EDGE_BUCKET_TRACE[step], (step, trace)
+            got = results[-1]
+            assert _max_diff(got.forces, want.forces) <= tolerance, step
+            assert _max_diff(got.energy, want.energy) <= 10 * tolerance, step
+            assert _max_diff(got.stress, want.stress) <= tolerance / 100, step
+            if check_syncs and trace == ["speculated"]:
+                assert len(syncs) == 1, syncs  # the outputs' copy
+    # The same batch in the same bucket, replayed after a host read or speculatively: the same
+    # graph on the same padded inputs.
+    for step in (3, 5, 10):
+        assert _max_diff(results[step].forces, results[2].forces) == 0.0, step
+    return results
+
+
+class _EagerGraph:
+    """A recorded graph's stand-in on the CPU: a replay runs the searched step again and
+    writes its outputs where the graph would."""
+
+    def __init__(self, run: Callable[[], _PackedOutputs], outputs: _PackedOutputs):
+        self._run = run
+        self._outputs = outputs
+
+    def replay(self) -> None:
+        self._outputs.buffer.copy_(self._run().buffer)
+
+
+def _record_eagerly(self: CapturedSteps, bucket: Bucket, batch: ReplayBatch) -> _Recorded:
+    static = StaticBatch.empty(bucket.shape, torch.device("cpu"))
+    self._load(static, bucket, batch)
+    outputs = self._searched_step(static, bucket)
+    graph = _EagerGraph(functools.partial(self._searched_step, static, bucket), outputs)
+    return _Recorded(graph, static, outputs, pool_bytes=0)  # type: ignore[arg-type]
+
+
+def _water_box(scale: float) -> Structures:
+    """24 atoms in a 7 Å cell (several images per pair within 4 Å), scaled by ``scale``."""
+    from tests.graph.helpers import random_structure
+
+    rng = np.random.default_rng(3)
+    item = random_structure(rng, 24, np.eye(3) * 7.0, (True,) * 3, min_sep=1.0)
+    positions = np.asarray(item.positions) * scale
+    atoms = Atoms("OH2" * 8, positions=positions, cell=np.eye(3) * 7.0 * scale, pbc=True)
+    return Structures.from_atoms([atoms])
+
+
+def test_speculative_replay_follows_the_edge_bucket_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay logic of :class:`Potential` and :class:`CapturedSteps` on the CPU, each
+    "graph" an eager run of the searched step (fp64: equal to the eager step to rounding),
+    ending with a coincident pair in a batch that would have been replayed."""
+    from service.graph.errors import InvalidStructureError
+    from service.model import potential as potential_module
+    from service.model.captured import CapturedSteps
+
+    config = dataclasses.replace(CONFIG, n_blocks=1)
+    model = randomized_model(config)
+    eager, replayed = (
+        Potential(model, device="cpu", path="reference", precision="fp64", capture=False)
+        for _ in range(2)
+    )
+    properties = types.SimpleNamespace(total_memory=2**34)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: properties)
+    monkeypatch.setattr(CapturedSteps, "_record", _record_eagerly)
+    monkeypatch.setattr(potential_module, "resolve_backend", lambda *_: "direct")
+    replayed._captured = CapturedSteps(model, replayed._step, config.rcut, torch.device("cpu"))
+    batches = (_water_box(1.0), _water_box(0.85))
+    edges = [build_graph(s, config.rcut, backend="torch").n_edges for s in batches]
+    assert bucket_size(edges[0]) < bucket_size(edges[1])  # same key, another edge bucket
+    results = _walk_edge_buckets(eager, replayed, batches, 1e-10, check_syncs=False)
+    assert results[-1].forces is not None and results[-1].forces.device.type == "cpu"
+    assert replayed._captured.n_graphs == 2
+
+    positions = batches[0].positions.clone()
+    positions[1] = positions[0] + 1e-5
+    with pytest.raises(InvalidStructureError) as info:
+        replayed.predict(dataclasses.replace(batches[0], positions=positions), PROPS)
+    assert info.value.code == "coincident_atoms"
+
+
+@pytest.mark.gpu
+def test_speculative_replay_follows_the_edge_bucket() -> None:
+    """The walk of :data:`EDGE_BUCKET_WALK` with the shipped model on the H200: predictions
+    missing, an overflow, a bucket change, a smaller bucket than predicted."""
+    from service.model.potential import load_potential
+
+    eager = load_potential(None, device="cuda", capture=False)
+    replayed = load_potential(None, device="cuda")
+    water = _water(1)
+    dense = _moved(water, np.random.default_rng(1), scale=0.9)
+    edges = [build_graph(s, 6.0, backend="torch").n_edges for s in (water, dense)]
+    assert bucket_size(edges[0]) < bucket_size(edges[1])  # same key, another edge bucket
+    _walk_edge_buckets(eager, replayed, (water, dense), 1e-5, check_syncs=True)
 
 
 @pytest.mark.gpu
 def test_cuda_replay_host_path() -> None:
-    """The host's part of a replayed 192-atom step before the graph launch (the device idles
-    through it): the bar model in the fp16x3 tier, as benchmarks/model.py serves it. Prints the
-    medians (run with -s) and checks the one host read of the request path."""
+    """The host's part of a speculatively replayed 192-atom step before the graph launch (the
+    device idles through it): the bar model in the fp16x3 tier, as benchmarks/model.py serves
+    it. Prints the medians (run with -s) and checks the step's one host round trip."""
     import statistics
     import time
 
     from benchmarks.model import bar_config
-    from service.graph.neighbors import place_and_build_graph_carrying
-    from service.model import potential as potential_module
 
     pot = Potential(randomized_model(bar_config()), device="cuda", path="fused", precision="fp16x3")
     water = _water(1)
@@ -288,40 +500,30 @@ def test_cuda_replay_host_path() -> None:
         pot.predict(water, props)
     torch.cuda.synchronize()
     marks: dict[str, float] = {}
-    build = place_and_build_graph_carrying
     replay = torch.cuda.CUDAGraph.replay
-
-    def timed_build(*args: object, **kwargs: object) -> object:
-        found = build(*args, **kwargs)  # type: ignore[arg-type]
-        marks["graph"] = time.perf_counter()
-        return found
 
     def timed_replay(graph: torch.cuda.CUDAGraph) -> None:
         marks["replay"] = time.perf_counter()
         replay(graph)
 
-    graph_ms, pre_replay_ms, step_ms = [], [], []
+    pre_replay_ms, step_ms = [], []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(potential_module, "place_and_build_graph_carrying", timed_build)
         patch.setattr(torch.cuda.CUDAGraph, "replay", timed_replay)
         for _ in range(50):
             torch.cuda.synchronize()
             start = time.perf_counter()
             pot.predict(water, props)
-            torch.cuda.synchronize()
             step_ms.append((time.perf_counter() - start) * 1e3)
-            graph_ms.append((marks["graph"] - start) * 1e3)
             pre_replay_ms.append((marks["replay"] - start) * 1e3)
     medians = {
-        "until the graph is built": statistics.median(graph_ms),
         "until the replay is launched": statistics.median(pre_replay_ms),
         "whole step": statistics.median(step_ms),
     }
     print({k: round(v, 3) for k, v in medians.items()})
     syncs = cuda_syncs(lambda: pot.predict(water, props))
-    assert len(syncs) == 1, syncs  # the direct search's edge count
-    # 2026-11-30 before this path was trimmed: ~1.5-2 ms from predict to the replay.
-    assert medians["until the replay is launched"] < 1.5
+    assert len(syncs) == 1, syncs  # the outputs' copy, which carries the edge count
+    # 2026-11-30 with the search's host read before the replay: ~1.5-2 ms.
+    assert medians["until the replay is launched"] < 0.5
 
 
 def test_capture_needs_cuda() -> None:
