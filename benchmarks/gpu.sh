@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh verify|recheck|matrix|compiled|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|recheck|matrix|compiled|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -56,6 +56,10 @@ case "$topic" in
   compiled)  # torch.compile(reference) series of issue #4 (small and medium, up to 12k atoms)
     STEP_S=300 run python3 benchmarks/model.py --cases small:192,1536,12288 --paths compiled --compile-configs small --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
     STEP_S=280 run python3 benchmarks/model.py --cases medium:192,1536,12288 --paths compiled --compile-configs medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
+    ;;
+  replay)  # the sync-free replay (search inside the CUDA graph): its gpu tests, then the 192/1,536-atom steps
+    STEP_S=150 run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/graph/test_sync_free.py tests/graph/test_pair_search.py tests/model/test_fast_tier.py tests/model/test_golden_systems.py
+    STEP_S=100 run python3 benchmarks/model.py --cases bar:192,1536 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
     ;;
   closing)  # last call of a session (~5 min): the 192/1,536-atom steps, the service, then the gpu tests of the glue/stack/service changes
     STEP_S=95 run python3 benchmarks/model.py --cases bar:192,1536 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
