@@ -46,9 +46,14 @@ from so2kernels.gated_act import gated_act, gated_act_backward, gated_act_refere
 from so2kernels.mixing_stack_backward import mixing_stack_backward, stack_backward_composed
 from so2kernels.mixing_stack_kernels import (
     StackPrecision,
+    block_fwd_desc_kernel,
     block_fwd_kernel,
+    desc_block_k,
     gate_fwd_kernel,
+    persistent_grid,
+    row_descriptor,
     tile_config,
+    weight_descriptors,
     weight_operands,
 )
 
@@ -168,6 +173,7 @@ def _mixing_stack_fused(
     scalar SiLU rows), the gate GEMM (sigmoids from the scalar rows; completes the l>=1 m=0 rows
     and keeps the sigmoids), then the |m|=1 block GEMM (writes its z rows, gates them, adds the
     residual). The identity layer is one GEMM per block, storing ``(u + u@W)·alpha`` edge-major.
+    The fast tier's block GEMMs run on persistent grids with descriptor-fed operands.
     """
     act, alpha, w0_all, w1_all, gw_all = operands
     n_focus, n_edge, row = act.shape
@@ -179,7 +185,8 @@ def _mixing_stack_fused(
         return x_local, z_all, act.clone()
     lin_tile = tile_config("fwd", focus_dim, lmax, tier, act.device)
     gate_tile = tile_config("gate", focus_dim, lmax, tier, act.device)
-    common = {"L": lmax, "FD": focus_dim, "FAST": tier is StackPrecision.FAST}
+    fast = tier is StackPrecision.FAST
+    common = {"L": lmax, "FD": focus_dim}
 
     def meta(tile: Any) -> dict[str, Any]:
         return {
@@ -196,29 +203,42 @@ def _mixing_stack_fused(
 
     linear = wrap_triton(block_fwd_kernel)
     gating = wrap_triton(gate_fwd_kernel)
+
+    def block_gemm(
+        src: Tensor, weights: tuple[Tensor, Tensor], out: Tensor, layer: int, upper: bool
+    ) -> None:
+        """Block GEMM of ``layer`` (m=0, or |m|=1 when ``upper``) with its epilogue."""
+        width = m1 if upper else m0
+        final = {"M1_BLOCK": upper, "FINAL": layer == depth,
+                 "APPLY_ALPHA": apply_alpha and layer == depth}  # fmt: skip
+        if not fast:
+            linear[launch_grid(width, lin_tile)](
+                src, weights[0], z_all, sig, alpha, out, n_edge, layer, **final, **lin_meta
+            )
+            return
+        block_k = desc_block_k(width, lin_tile)
+        n_tiles = launch_grid(width, lin_tile)[0] * n_focus
+        wrap_triton(block_fwd_desc_kernel)[persistent_grid(n_tiles, lin_tile, act.device)](
+            row_descriptor(src, lin_tile.block_m, block_k),
+            *weight_descriptors(weights, block_k, lin_tile.block_n),
+            src, z_all, sig, alpha, out, n_edge, n_focus, layer, **final,
+            **{**lin_meta, "BLOCK_K": block_k},
+        )  # fmt: skip
+
     sig = act.new_empty((n_focus, n_edge, gate_width))
     src = act
     k = 0
     while k < depth:
         dst = torch.empty_like(act)
-        linear[launch_grid(m0, lin_tile)](
-            src, blk0[0], blk0[1], z_all, sig, alpha, dst, n_edge, k,
-            M1_BLOCK=False, FINAL=False, APPLY_ALPHA=False, **lin_meta,
-        )  # fmt: skip
+        block_gemm(src, blk0, dst, k, False)
         gating[launch_grid(gate_width, gate_tile)](
             z_all, proj[0], proj[1], src, sig, dst, n_edge, k,
-            HAS_RES=True, ALL_ROWS=False, STORE_SIG=True, **gate_meta,
+            HAS_RES=True, ALL_ROWS=False, STORE_SIG=True, FAST=fast, **gate_meta,
         )  # fmt: skip
-        linear[launch_grid(m1, lin_tile)](
-            src, blk1[0], blk1[1], z_all, sig, alpha, dst, n_edge, k,
-            M1_BLOCK=True, FINAL=False, APPLY_ALPHA=False, **lin_meta,
-        )  # fmt: skip
+        block_gemm(src, blk1, dst, k, True)
         src, k = dst, k + 1
-    for upper, cols, (w_hi, w_lo) in ((False, m0, blk0), (True, m1, blk1)):
-        linear[launch_grid(cols, lin_tile)](
-            src, w_hi, w_lo, z_all, sig, alpha, x_local, n_edge, depth,
-            M1_BLOCK=upper, FINAL=True, APPLY_ALPHA=apply_alpha, **lin_meta,
-        )  # fmt: skip
+    block_gemm(src, blk0, x_local, depth, False)
+    block_gemm(src, blk1, x_local, depth, True)
     return x_local, z_all, (src if depth else act.clone())
 
 

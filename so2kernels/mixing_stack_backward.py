@@ -42,12 +42,18 @@ from so2kernels.mixing_stack_kernels import (
     TAIL_SCALE,
     StackPrecision,
     TileConfig,
+    block_bwd_desc_kernel,
     block_bwd_kernel,
+    desc_block_k,
+    edge_major_descriptor,
     gate_bwd_kernel,
     gate_bwd_split_kernel,
+    persistent_grid,
+    row_descriptor,
     scalar_bwd_kernel,
     scalar_bwd_split_kernel,
     tile_config,
+    weight_descriptors,
     weight_operands,
 )
 
@@ -212,6 +218,35 @@ class _Launcher:
         fast = precision is StackPrecision.FAST
         return cls(n_edge, n_focus, args.lmax, args.focus_dim, cfg, fast)
 
+    @property
+    def meta_no_fast(self) -> dict[str, Any]:
+        """Launch arguments of the kernels that are one tier's only (no ``FAST`` flag)."""
+        return {k: v for k, v in self.meta.items() if k != "FAST"}
+
+    def residual(
+        self,
+        describe: Callable[[Tensor, int, int], Any],
+        a: Tensor,
+        weights: tuple[Tensor, Tensor],
+        width: int,
+        layer: int,
+        pointers: tuple[Tensor, ...],
+        flags: dict[str, bool],
+    ) -> None:
+        """One fast-tier residual GEMM of :func:`block_bwd_desc_kernel` over a ``width``-wide
+        block: A is ``a`` through ``describe(a, block_m, block_k)``; ``pointers`` = (output
+        cotangent, g_out, alpha, x_local, partials, g_in)."""
+        if self.n_edge == 0:
+            return  # a tensor descriptor cannot describe an empty tensor
+        cfg = self.cfg
+        block_k = desc_block_k(width, cfg)
+        n_tiles = self.grid(width)[0] * self.n_focus
+        wrap_triton(block_bwd_desc_kernel)[persistent_grid(n_tiles, cfg, a.device)](
+            describe(a, cfg.block_m, block_k), *weight_descriptors(weights, block_k, cfg.block_n),
+            *pointers, self.n_edge, self.n_focus, layer, **flags,
+            **{**self.meta_no_fast, "BLOCK_K": block_k},
+        )  # fmt: skip
+
     def grid(self, width: int) -> tuple[int, int]:
         tiles = triton.cdiv(self.n_edge, self.cfg.block_m) * triton.cdiv(width, self.cfg.block_n)
         return tiles, self.n_focus
@@ -219,9 +254,6 @@ class _Launcher:
     def slots(self, m0: int, m1: int) -> int:
         """Column tiles of both blocks: the per-edge partial slots of ``ALPHA_PARTIALS``."""
         return int(triton.cdiv(m0, self.cfg.block_n) + triton.cdiv(m1, self.cfg.block_n))
-
-
-_NO_PARTIALS = {"SPLIT_A": False, "ALPHA_PARTIALS": False}
 
 
 def _final_layer_weight_grads(args: StackBwdArgs, m0: int) -> tuple[Tensor, Tensor]:
@@ -263,10 +295,10 @@ def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
 
     grad_alpha = _grad_alpha(grad_out, x_local, alpha, apply_alpha)
     g = torch.empty_like(u_final)
-    for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
+    for is_m1, (wt, _), width in ((False, w0t, m0), (True, w1t, m1)):
         wrap_triton(block_bwd_kernel)[run.grid(width)](
-            grad_out, wt, wt_lo, g, alpha, g, g, g, n_edge, n_gated,
-            M1_BLOCK=is_m1, FINAL=True, APPLY_ALPHA=apply_alpha, **_NO_PARTIALS, **run.meta,
+            grad_out, wt, g, alpha, g, n_edge, n_gated,
+            M1_BLOCK=is_m1, FINAL=True, APPLY_ALPHA=apply_alpha, **run.meta_no_fast,
         )  # fmt: skip
     if grad_u is not None:
         g += grad_u
@@ -296,10 +328,10 @@ def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
             grads_w0[layer], grads_w1[layer] = _block_weight_grads(u_in, gz, m0)
             grads_gw[layer] = _gate_weight_grad(z_all[layer], grad_logit, focus_dim)
             u_above = u_in
-        for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
+        for is_m1, (wt, _), width in ((False, w0t, m0), (True, w1t, m1)):
             wrap_triton(block_bwd_kernel)[run.grid(width)](
-                gz, wt, wt_lo, g, alpha, g, g, g_next, n_edge, layer,
-                M1_BLOCK=is_m1, FINAL=False, APPLY_ALPHA=False, **_NO_PARTIALS, **run.meta,
+                gz, wt, g, alpha, g_next, n_edge, layer,
+                M1_BLOCK=is_m1, FINAL=False, APPLY_ALPHA=False, **run.meta_no_fast,
             )  # fmt: skip
         g, g_next = g_next, g
     return g, grad_alpha, grads_w0, grads_w1, grads_gw
@@ -314,7 +346,8 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     activations. Gated layer: the gate and scalar kernels add any ``z_all`` cotangent and store
     ``gz`` already split into fp16 head/tail planes (the bytes of one fp32 copy, exactly the
     split the GEMM would make), so the two residual GEMMs feed those planes to the tensor cores
-    as loaded instead of re-splitting ``gz`` once per output-column tile.
+    as loaded instead of re-splitting ``gz`` once per output-column tile. Every residual GEMM
+    runs :func:`block_bwd_desc_kernel` (persistent, operands through tensor descriptors).
     """
     # The weights themselves are read through _backward_weights.
     (grad_out, x_local, z_all, u_final, alpha, u0, *_weights, grad_z, grad_u,
@@ -330,11 +363,12 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     g = torch.empty_like(u_final)
     # Without alpha there are no partials; g stands in for the unused pointer.
     partials = x_local.new_empty((n_edge, n_focus, final_run.slots(m0, m1))) if apply_alpha else g
-    for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
-        wrap_triton(block_bwd_kernel)[final_run.grid(width)](
-            grad_out, wt, wt_lo, g, alpha, x_local, partials, g, n_edge, n_gated,
-            M1_BLOCK=is_m1, FINAL=True, APPLY_ALPHA=apply_alpha, SPLIT_A=False,
-            ALPHA_PARTIALS=apply_alpha, **final_run.meta,
+    for is_m1, weights, width in ((False, w0t, m0), (True, w1t, m1)):
+        final_run.residual(
+            edge_major_descriptor, grad_out, weights, width, n_gated,
+            (grad_out, g, alpha, x_local, partials, g),
+            {"M1_BLOCK": is_m1, "FINAL": True, "APPLY_ALPHA": apply_alpha,
+             "ALPHA_PARTIALS": apply_alpha},
         )  # fmt: skip
     grad_alpha = partials.sum(-1) / alpha if apply_alpha else torch.zeros_like(alpha)
     if grad_u is not None:
@@ -347,7 +381,7 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     gz_split = u_final.new_empty((2, *u_final.shape), dtype=torch.float16)
     grad_logit = u_final.new_empty((n_focus, n_edge, gate_width))
     g_next = torch.empty_like(u_final)
-    gate_meta = {k: v for k, v in gate_run.meta.items() if k != "FAST"}
+    gate_meta = gate_run.meta_no_fast
     u_above = u_final
     for layer in reversed(range(n_gated)):
         recover = need_weights and layer > 0
@@ -368,11 +402,11 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
             grads_w0[layer], grads_w1[layer] = _block_weight_grads(u_in, gz, m0)
             grads_gw[layer] = _gate_weight_grad(z_all[layer], grad_logit, focus_dim)
             u_above = u_in
-        for is_m1, (wt, wt_lo), width in ((False, w0t, m0), (True, w1t, m1)):
-            wrap_triton(block_bwd_kernel)[block_run.grid(width)](
-                gz_split, wt, wt_lo, g, alpha, g, g, g_next, n_edge, layer,
-                M1_BLOCK=is_m1, FINAL=False, APPLY_ALPHA=False, SPLIT_A=True,
-                ALPHA_PARTIALS=False, **block_run.meta,
+        for is_m1, weights, width in ((False, w0t, m0), (True, w1t, m1)):
+            block_run.residual(
+                row_descriptor, gz_split, weights, width, layer, (g, g, alpha, g, g, g_next),
+                {"M1_BLOCK": is_m1, "FINAL": False, "APPLY_ALPHA": False,
+                 "ALPHA_PARTIALS": False},
             )  # fmt: skip
         g, g_next = g_next, g
     return g, grad_alpha, grads_w0, grads_w1, grads_gw

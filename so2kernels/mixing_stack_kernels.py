@@ -11,7 +11,8 @@ are int64.
 Every kernel is a tiled GEMM ``acc = A @ B`` over one block of the row (the m=0 block, the |m|=1
 block, the gate projection or its transpose) with a fused epilogue. Program grid:
 ``(cdiv(E, BLOCK_M) · cdiv(N, BLOCK_N), F)``; output-column tiles vary fastest so the programs
-that share an edge tile of A run together and hit it in L2.
+that share an edge tile of A run together and hit it in L2 (the persistent kernels walk the
+same order).
 
 Precision tiers (``FAST`` constexpr):
 
@@ -25,8 +26,13 @@ Precision tiers (``FAST`` constexpr):
   once per weight version (cached by :func:`weight_operands`); activation splits happen in
   registers, once per output-column tile, except for the backward's pre-activation cotangent:
   the gate kernels that produce it store it split (fp16 head and tail planes, the bytes of one
-  fp32 copy) and the residual GEMMs load those planes as their A operand (``SPLIT_A``),
-  bit-identical to splitting in registers.
+  fp32 copy) and the residual GEMMs load those planes as their A operand, bit-identical to
+  splitting in registers.
+
+The fast tier's block GEMMs (:func:`block_fwd_desc_kernel`, :func:`block_bwd_desc_kernel`) run
+persistent grids and load every GEMM operand through host-built tensor descriptors (no
+per-thread address tensors: 190-250 registers instead of 255 with spills on sm_90); the gate
+kernels and the exact tier keep pointer loads and one program per tile.
 """
 
 # Triton kernels take untyped pointer/constexpr arguments and @triton.jit is an untyped decorator.
@@ -45,14 +51,22 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from so2kernels._dispatch import UnsupportedInputError
 
 __all__ = [
     "ACT_PRESCALE",
     "TAIL_SCALE",
     "StackPrecision",
     "TileConfig",
+    "desc_block_k",
+    "edge_major_descriptor",
+    "persistent_grid",
+    "row_descriptor",
     "split_fp16x3",
     "tile_config",
+    "weight_descriptors",
     "weight_operands",
 ]
 
@@ -226,6 +240,83 @@ def weight_operands(
     return operands
 
 
+# Tensor descriptors and persistent grids of the fast tier's block GEMMs
+#
+# The fast tier's block GEMMs feed their operands to the tensor cores through the tensor-memory
+# accelerator (no per-thread address tensors) and run persistent grids (a program walks tiles
+# with a stride of the grid size); descriptors are built on the host for each launch.
+
+_DESC_K_FALLBACK = 32
+"""K step when the tile's does not divide a block width (every width of the regime is a
+multiple of 32)."""
+
+
+def desc_block_k(width: int, tile: TileConfig) -> int:
+    """K step of a descriptor-fed product over a ``width``-wide block: the tile's when it divides
+    the width (a step past the width would read the next weight matrix's rows), else 32."""
+    return tile.block_k if width % tile.block_k == 0 else _DESC_K_FALLBACK
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t``, or a copy of it where a view starts off the 16-byte alignment descriptors need
+    (a view at an odd storage offset; fresh allocations are always aligned)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _check_rows(n_rows: int) -> None:
+    if n_rows >= 2**31:
+        raise UnsupportedInputError(
+            f"so2kernels: {n_rows} activation rows exceed the int32 coordinates of a tensor "
+            "descriptor"
+        )
+
+
+def row_descriptor(rows: Tensor, block_m: int, block_k: int) -> TensorDescriptor:
+    """Contiguous rows ``(..., ROW)`` (the fp32 activation ``(F, E, ROW)`` or the fp16 planes
+    ``(2, F, E, ROW)``) as one ``(rows, ROW)`` descriptor with ``(block_m, block_k)`` boxes."""
+    flat = _aligned(rows).view(-1, rows.shape[-1])
+    _check_rows(flat.shape[0])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_m, block_k])
+
+
+def edge_major_descriptor(x: Tensor, block_m: int, block_k: int) -> TensorDescriptor:
+    """The edge-major ``(E, F, ROW)`` fp32 cotangent as a 3-d descriptor with ``(block_m, 1,
+    block_k)`` boxes (one focus per box)."""
+    _check_rows(x.shape[0])
+    x = _aligned(x)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, 1, block_k])
+
+
+def weight_descriptors(
+    operands: tuple[Tensor, Tensor], block_k: int, block_n: int
+) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Descriptors over the fp16 (head, tail) weight stacks ``(NL, F, W, W)``, each seen as
+    ``(NL·F·W, W)`` with ``(block_k, block_n)`` boxes."""
+
+    def describe(w: Tensor) -> TensorDescriptor:
+        flat = _aligned(w).view(-1, w.shape[-1])
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_k, block_n])
+
+    return describe(operands[0]), describe(operands[1])
+
+
+_REGISTER_FILE = 65536
+"""32-bit registers per multiprocessor (sm_80 and sm_90)."""
+_MAX_THREAD_REGISTERS = 255
+
+
+def persistent_grid(n_tiles: int, tile: TileConfig, device: torch.device) -> tuple[int]:
+    """Programs of a persistent launch: as many as fit on the device at once. The fast tier's
+    block GEMMs use (nearly) every register a thread may have (two fp32 accumulators per tile),
+    so the register file sets the programs per multiprocessor. Under the interpreter two
+    programs, so that the strided tile loop is still walked."""
+    if device.type != "cuda":
+        return (min(n_tiles, 2),)
+    per_sm = max(1, _REGISTER_FILE // (_MAX_THREAD_REGISTERS * 32 * tile.num_warps))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return (max(1, min(n_tiles, sms * per_sm)),)
+
+
 # Triton: the shared tile product
 
 
@@ -247,7 +338,6 @@ def _merge_fp16x3(head_sum, tail_sum):
 @triton.jit
 def _tile_matmul(
     a_rows,  # (E_TILE,) pointers to A[m, 0]; A columns are contiguous
-    a_tail,  # element offset of A's fp16 tail plane from its head plane (A_SPLIT); else unused
     row_mask,
     b_ptr,  # B[0, 0] (fp32, or the fp16 head when FAST); B rows are LDB apart
     b_lo_ptr,  # fp16 tail of B when FAST (scaled by TAIL_SCALE); unused otherwise
@@ -256,18 +346,11 @@ def _tile_matmul(
     K: tl.constexpr,
     LDB: tl.constexpr,
     FAST: tl.constexpr,
-    A_SPLIT: tl.constexpr,
     K_STEP: tl.constexpr,
     E_TILE: tl.constexpr,
     C_TILE: tl.constexpr,
 ):
-    """fp32 product of the row tile ``A[:, :K]`` with the column tile ``B[:K, offs_n]``.
-
-    ``A_SPLIT`` (fast tier only): A is stored already split, an fp16 head plane at ``a_rows`` and
-    its tail ``a_tail`` elements further, exactly as :func:`_split_fp16x3` would produce it, so
-    the tiles go to the tensor cores as loaded and the result is bit-identical to splitting fp32
-    rows here.
-    """
+    """fp32 product of the row tile ``A[:, :K]`` with the column tile ``B[:K, offs_n]``."""
     hi_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
     lo_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
     for k_start in range(0, K, K_STEP):
@@ -279,11 +362,7 @@ def _tile_matmul(
         b_ok = n_mask[None, :] & k_ok[:, None]
         b = tl.load(b_ptr + b_idx, mask=b_ok, other=0.0)
         if FAST:
-            if A_SPLIT:
-                a_hi = a
-                a_lo = tl.load(a_rows[:, None] + (a_tail + kk)[None, :], mask=a_ok, other=0.0)
-            else:
-                a_hi, a_lo = _split_fp16x3(a)
+            a_hi, a_lo = _split_fp16x3(a)
             b_lo = tl.load(b_lo_ptr + b_idx, mask=b_ok, other=0.0)
             hi_sum = tl.dot(a_hi, b, hi_sum)
             lo_sum = tl.dot(a_hi, b_lo, lo_sum)
@@ -293,6 +372,50 @@ def _tile_matmul(
     if FAST:
         hi_sum = _merge_fp16x3(hi_sum, lo_sum)
     return hi_sum
+
+
+@triton.jit
+def _desc_matmul(
+    a_desc,  # A rows: fp16 planes or fp32 rows (2-d), or the edge-major fp32 rows (3-d)
+    a_row,  # first A row of the tile (head plane), or first edge (EDGE_MAJOR); int32
+    a_next,  # rows from the head plane to the tail plane (A_PLANES), or the focus (EDGE_MAJOR)
+    a_col,  # first A column of the block
+    b_desc,  # fp16 (NL·F·W, W) descriptor over the B heads, block (K_STEP, C_TILE)
+    b_lo_desc,  # the same over the B tails
+    b_row,  # first row of this (layer, focus) matrix
+    n0,  # first output column of the tile
+    K: tl.constexpr,
+    A_PLANES: tl.constexpr,
+    EDGE_MAJOR: tl.constexpr,
+    K_STEP: tl.constexpr,
+    E_TILE: tl.constexpr,
+    C_TILE: tl.constexpr,
+):
+    """Fast-tier product of :func:`_tile_matmul` with every operand loaded through a tensor
+    descriptor. ``A_PLANES``: A stored as head/tail planes (the tiles go to the tensor cores as
+    loaded); otherwise fp32 A split in registers. ``K_STEP`` must divide ``K``: a B row past
+    ``K`` belongs to the next matrix. Rows of A past a focus's edges are another focus's (or
+    plane's, or the zero fill): each output row depends on its own A row only, and those rows
+    are masked at the store; B columns past ``W`` are zero-filled.
+    """
+    hi_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
+    lo_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
+    for k_start in range(0, K, K_STEP):
+        if A_PLANES:
+            a_hi = a_desc.load([a_row, a_col + k_start])
+            a_lo = a_desc.load([a_row + a_next, a_col + k_start])
+        elif EDGE_MAJOR:
+            a_hi, a_lo = _split_fp16x3(
+                a_desc.load([a_row, a_next, a_col + k_start]).reshape(E_TILE, K_STEP)
+            )
+        else:
+            a_hi, a_lo = _split_fp16x3(a_desc.load([a_row, a_col + k_start]))
+        b_hi = b_desc.load([b_row + k_start, n0])
+        b_lo = b_lo_desc.load([b_row + k_start, n0])
+        hi_sum = tl.dot(a_hi, b_hi, hi_sum)
+        lo_sum = tl.dot(a_hi, b_lo, lo_sum)
+        lo_sum = tl.dot(a_lo, b_hi, lo_sum)
+    return _merge_fp16x3(hi_sum, lo_sum)
 
 
 @triton.jit
@@ -315,6 +438,28 @@ def _tile_coords(n_edge, N: tl.constexpr, E_TILE: tl.constexpr, C_TILE: tl.const
 
 
 @triton.jit
+def _flat_tile(tile, n_edge, N: tl.constexpr, E_TILE: tl.constexpr, C_TILE: tl.constexpr):
+    """Coordinates of flat tile ``tile`` of a persistent launch (focus, then edge tiles,
+    output-column tiles fastest, as the grid of :func:`_tile_coords`): focus (int64), first edge
+    (int32, a descriptor coordinate), edge rows (int64), output columns, their masks and the
+    column-tile index."""
+    col_tiles: tl.constexpr = (N - 1) // C_TILE + 1
+    per_focus = tl.cdiv(n_edge, E_TILE) * col_tiles
+    focus = tile // per_focus
+    local = tile - focus * per_focus
+    tile_n = local % col_tiles
+    first = (local // col_tiles) * E_TILE
+    rows = first.to(tl.int64) + tl.arange(0, E_TILE)
+    cols = tile_n * C_TILE + tl.arange(0, C_TILE)
+    return focus.to(tl.int64), first, rows, rows < n_edge, cols, cols < N, tile_n
+
+
+@triton.jit
+def _n_flat_tiles(n_edge, n_focus, N: tl.constexpr, E_TILE: tl.constexpr, C_TILE: tl.constexpr):
+    return n_focus * tl.cdiv(n_edge, E_TILE) * ((N - 1) // C_TILE + 1)
+
+
+@triton.jit
 def _focus_coords():
     """This program's focus index (int64) and the focus count, both from grid axis 1."""
     focus = tl.program_id(axis=1)
@@ -325,10 +470,49 @@ def _focus_coords():
 
 
 @triton.jit
+def _block_fwd_epilogue(
+    acc, rows, row_mask, cols, col_mask, focus, n_focus, n_edge, layer, u_ptr, z_ptr, sig_ptr,
+    alpha_ptr, out_ptr, L: tl.constexpr, FD: tl.constexpr, M1_BLOCK: tl.constexpr,
+    FINAL: tl.constexpr, APPLY_ALPHA: tl.constexpr,
+):  # fmt: skip
+    """Finish the block product ``acc`` of :func:`block_fwd_kernel` on its tile."""
+    GWD: tl.constexpr = L * FD
+    ROW: tl.constexpr = FD + 3 * GWD
+    M0: tl.constexpr = FD + GWD
+    COL0: tl.constexpr = M0 if M1_BLOCK else 0
+    mask = row_mask[:, None] & col_mask[None, :]
+    u_rows = u_ptr + (focus * n_edge + rows) * ROW + COL0
+    if FINAL:
+        u_tile = tl.load(u_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        result = u_tile + acc
+        if APPLY_ALPHA:
+            a = tl.load(alpha_ptr + rows * n_focus + focus, mask=row_mask, other=0.0)
+            result = result * a[:, None]
+        out_rows = out_ptr + (rows * n_focus + focus) * ROW + COL0
+        tl.store(out_rows[:, None] + cols[None, :], result, mask=mask)
+    else:
+        z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW + COL0
+        tl.store(z_rows[:, None] + cols[None, :], acc, mask=mask)
+        out_rows = out_ptr + (focus * n_edge + rows) * ROW + COL0
+        if M1_BLOCK:
+            u_tile = tl.load(u_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+            gate_cols = cols % GWD
+            sig_rows = sig_ptr + (focus * n_edge + rows) * GWD
+            gate = tl.load(sig_rows[:, None] + gate_cols[None, :], mask=mask, other=0.0)
+            tl.store(out_rows[:, None] + cols[None, :], u_tile + acc * gate, mask=mask)
+        else:
+            # Scalar rows need no gate: SiLU lands here (the residual is read for them alone);
+            # the gate kernel fills the l>=1 m=0 rows.
+            scalar_mask = mask & (cols < FD)[None, :]
+            u_tile = tl.load(u_rows[:, None] + cols[None, :], mask=scalar_mask, other=0.0)
+            silu = acc * tl.sigmoid(acc)
+            tl.store(out_rows[:, None] + cols[None, :], u_tile + silu, mask=scalar_mask)
+
+
+@triton.jit
 def block_fwd_kernel(
     u_ptr,  # (F, E, ROW) layer input
-    w_ptr,  # (NL, F, W, W) block weights (fp16 head when FAST)
-    w_lo_ptr,  # (NL, F, W, W) fp16 tails when FAST
+    w_ptr,  # (NL, F, W, W) block weights
     z_ptr,  # (NG, F, E, ROW) pre-activation stack (gated layers)
     sig_ptr,  # (F, E, GWD) gates of this layer (gated layers, |m|=1 block)
     alpha_ptr,  # (E, F) competition weight (FINAL with APPLY_ALPHA)
@@ -343,9 +527,9 @@ def block_fwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    FAST: tl.constexpr,
 ):
-    """One block GEMM of a layer, ``z = u[:, blk] @ W[layer, f]``, with the layer's epilogue.
+    """One exact-tier block GEMM of a layer, ``z = u[:, blk] @ W[layer, f]``, with the layer's
+    epilogue (the fast tier's is :func:`block_fwd_desc_kernel`).
 
     Gated layer: store ``z``; the m=0 block also finishes the SiLU scalar rows and the |m|=1 block
     applies the gates, ``out = u + z·σ``. Final identity layer (``FINAL``): ``(u + z)·alpha``
@@ -362,32 +546,70 @@ def block_fwd_kernel(
     u_rows = u_ptr + (focus * n_edge + rows) * ROW + COL0
     w_off = (layer * n_focus + focus) * WIDTH * WIDTH
     acc = _tile_matmul(
-        u_rows, 0, row_mask, w_ptr + w_off, w_lo_ptr + w_off, cols, col_mask,
-        WIDTH, WIDTH, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
+        u_rows, row_mask, w_ptr + w_off, w_ptr, cols, col_mask,
+        WIDTH, WIDTH, False, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
-    mask = row_mask[:, None] & col_mask[None, :]
-    u_tile = tl.load(u_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-    if FINAL:
-        result = u_tile + acc
-        if APPLY_ALPHA:
-            a = tl.load(alpha_ptr + rows * n_focus + focus, mask=row_mask, other=0.0)
-            result = result * a[:, None]
-        out_rows = out_ptr + (rows * n_focus + focus) * ROW + COL0
-        tl.store(out_rows[:, None] + cols[None, :], result, mask=mask)
-    else:
-        z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW + COL0
-        tl.store(z_rows[:, None] + cols[None, :], acc, mask=mask)
-        out_rows = out_ptr + (focus * n_edge + rows) * ROW + COL0
-        if M1_BLOCK:
-            gate_cols = cols % GWD
-            sig_rows = sig_ptr + (focus * n_edge + rows) * GWD
-            gate = tl.load(sig_rows[:, None] + gate_cols[None, :], mask=mask, other=0.0)
-            tl.store(out_rows[:, None] + cols[None, :], u_tile + acc * gate, mask=mask)
+    _block_fwd_epilogue(
+        acc, rows, row_mask, cols, col_mask, focus, n_focus, n_edge, layer, u_ptr, z_ptr, sig_ptr,
+        alpha_ptr, out_ptr, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA,
+    )  # fmt: skip
+
+
+@triton.jit
+def block_fwd_desc_kernel(
+    u_desc,  # fp32 (F·E, ROW) descriptor over the layer input, block (BLOCK_M, BLOCK_K)
+    w_desc,  # fp16 (NL·F·W, W) descriptor over the weight heads, block (BLOCK_K, BLOCK_N)
+    w_lo_desc,  # the same over the weight tails
+    u_ptr,  # (F, E, ROW) layer input (the residual)
+    z_ptr,  # (NG, F, E, ROW) pre-activation stack (gated layers)
+    sig_ptr,  # (F, E, GWD) gates of this layer (gated layers, |m|=1 block)
+    alpha_ptr,  # (E, F) competition weight (FINAL with APPLY_ALPHA)
+    out_ptr,  # (F, E, ROW) next activation; (E, F, ROW) edge-major when FINAL
+    n_edge,
+    n_focus,
+    layer,
+    L: tl.constexpr,
+    FD: tl.constexpr,
+    M1_BLOCK: tl.constexpr,
+    FINAL: tl.constexpr,
+    APPLY_ALPHA: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Fast-tier :func:`block_fwd_kernel` on a persistent grid, operands fed by descriptors
+    (:func:`_desc_matmul`); the programs stride over the flat tiles of :func:`_flat_tile`."""
+    M0: tl.constexpr = (L + 1) * FD
+    WIDTH: tl.constexpr = 2 * L * FD if M1_BLOCK else M0
+    COL0: tl.constexpr = M0 if M1_BLOCK else 0
+    n_tiles = _n_flat_tiles(n_edge, n_focus, WIDTH, BLOCK_M, BLOCK_N)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        focus, first, rows, row_mask, cols, col_mask, pid_n = _flat_tile(
+            tile, n_edge, WIDTH, BLOCK_M, BLOCK_N
+        )
+        focus32 = focus.to(tl.int32)
+        acc = _desc_matmul(
+            u_desc, focus32 * n_edge + first, 0, COL0, w_desc, w_lo_desc,
+            (layer * n_focus + focus32) * WIDTH, pid_n * BLOCK_N, WIDTH, False, False, BLOCK_K,
+            BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        if FINAL:
+            # The input, product and alpha of a whole final tile spill (sm_90, 64x128 tile);
+            # one column half at a time does not.
+            halves = _column_halves(acc, BLOCK_M, BLOCK_N)
+            half_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            for h in tl.static_range(2):
+                part_cols = half_cols + h * (BLOCK_N // 2)
+                _block_fwd_epilogue(
+                    halves[h], rows, row_mask, part_cols, part_cols < WIDTH, focus, n_focus,
+                    n_edge, layer, u_ptr, z_ptr, sig_ptr, alpha_ptr, out_ptr, L, FD, M1_BLOCK,
+                    True, APPLY_ALPHA,
+                )  # fmt: skip
         else:
-            # Scalar rows need no gate: SiLU lands here; the gate kernel fills the l>=1 m=0 rows.
-            scalar_mask = mask & (cols < FD)[None, :]
-            silu = acc * tl.sigmoid(acc)
-            tl.store(out_rows[:, None] + cols[None, :], u_tile + silu, mask=scalar_mask)
+            _block_fwd_epilogue(
+                acc, rows, row_mask, cols, col_mask, focus, n_focus, n_edge, layer, u_ptr, z_ptr,
+                sig_ptr, alpha_ptr, out_ptr, L, FD, M1_BLOCK, False, False,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -425,8 +647,8 @@ def gate_fwd_kernel(
     z_rows = z_ptr + ((layer * n_focus + focus) * n_edge + rows) * ROW
     g_off = (layer * n_focus + focus) * FD * GWD
     logit = _tile_matmul(
-        z_rows, 0, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-        FD, GWD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
+        z_rows, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
+        FD, GWD, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     gate = tl.sigmoid(logit)
     mask = row_mask[:, None] & col_mask[None, :]
@@ -482,8 +704,8 @@ def _gate_rows_bwd(
     z_at = ((layer * n_focus + focus) * n_edge + rows) * ROW
     g_off = (layer * n_focus + focus) * FD * GWD
     logit = _tile_matmul(
-        z_ptr + z_at, 0, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
-        FD, GWD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
+        z_ptr + z_at, row_mask, gw_ptr + g_off, gw_lo_ptr + g_off, cols, col_mask,
+        FD, GWD, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     gate = tl.sigmoid(logit)
     mask = row_mask[:, None] & col_mask[None, :]
@@ -583,8 +805,8 @@ def _scalar_rows_bwd(
     q_rows = q_ptr + (focus * n_edge + rows) * GWD
     g_off = (layer * n_focus + focus) * GWD * FD
     acc = _tile_matmul(
-        q_rows, 0, row_mask, gwt_ptr + g_off, gwt_lo_ptr + g_off, cols, col_mask,
-        GWD, FD, FAST, False, BLOCK_K, BLOCK_M, BLOCK_N,
+        q_rows, row_mask, gwt_ptr + g_off, gwt_lo_ptr + g_off, cols, col_mask,
+        GWD, FD, FAST, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     mask = row_mask[:, None] & col_mask[None, :]
     z_at = ((layer * n_focus + focus) * n_edge + rows)[:, None] * ROW + cols[None, :]
@@ -689,39 +911,15 @@ def _block_bwd_epilogue(
 
 
 @triton.jit
-def block_bwd_kernel(
-    a_ptr,  # (F, E, ROW) pre-activation cotangent (fp32, or fp16 head plane when SPLIT_A);
-    # (E, F, ROW) output cotangent when FINAL
-    wt_ptr,  # (NL, F, W, W) transposed block weights (fp16 head when FAST)
-    wt_lo_ptr,
-    res_ptr,  # (F, E, ROW) cotangent of the layer output (not read when FINAL)
-    alpha_ptr,  # (E, F)
-    x_ptr,  # (E, F, ROW) the forward's x_local (ALPHA_PARTIALS)
-    part_ptr,  # (E, F, NT) out: per column tile, Σ grad·x_local over its columns (ALPHA_PARTIALS)
-    out_ptr,  # (F, E, ROW) out: cotangent of the layer input
-    n_edge,
-    layer,
-    L: tl.constexpr,
-    FD: tl.constexpr,
-    M1_BLOCK: tl.constexpr,
-    FINAL: tl.constexpr,
-    APPLY_ALPHA: tl.constexpr,
-    SPLIT_A: tl.constexpr,
-    ALPHA_PARTIALS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    FAST: tl.constexpr,
-):
-    """Residual backward of one block: ``g_in = g_out + gz @ Wᵀ``.
-
-    For the final identity layer (``FINAL``) ``gz = g_out = alpha·grad`` is read edge-major and
-    alpha is applied after the product: ``g_in = alpha·(grad + grad @ Wᵀ)``. ``ALPHA_PARTIALS``
-    also leaves this tile's share of ``Σ_c grad·x_local`` for the alpha gradient; the m=0 block
-    fills slots ``[0, NT0)``, the |m|=1 block the next ``NT1``, and the caller sums the slots.
-    ``SPLIT_A`` (fast tier) reads ``gz`` as the head/tail planes of :func:`_store_split`. The
-    fast tier's final layer runs its epilogue on one column half at a time.
-    """
+def _block_bwd_finish(
+    acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, x_ptr,
+    part_ptr, out_ptr, n_edge, L: tl.constexpr, FD: tl.constexpr, M1_BLOCK: tl.constexpr,
+    FINAL: tl.constexpr, APPLY_ALPHA: tl.constexpr, ALPHA_PARTIALS: tl.constexpr,
+    HALVES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Epilogue of a residual backward tile (see :func:`block_bwd_kernel`): store ``g_in`` and,
+    with ``ALPHA_PARTIALS``, this tile's share of ``Σ grad·x_local``. ``HALVES`` runs it on one
+    column half at a time."""
     GWD: tl.constexpr = L * FD
     ROW: tl.constexpr = FD + 3 * GWD
     M0: tl.constexpr = FD + GWD
@@ -729,19 +927,9 @@ def block_bwd_kernel(
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
     NT0: tl.constexpr = (M0 - 1) // BLOCK_N + 1
     N_SLOTS: tl.constexpr = NT0 + (2 * GWD - 1) // BLOCK_N + 1
-    focus, n_focus = _focus_coords()
-    rows, row_mask, cols, col_mask, pid_n = _tile_coords(n_edge, WIDTH, BLOCK_M, BLOCK_N)
-
     edge_rows = (rows * n_focus + focus) * ROW + COL0
     act_rows = (focus * n_edge + rows) * ROW + COL0
-    a_rows = a_ptr + (edge_rows if FINAL else act_rows)
-    w_off = (layer * n_focus + focus) * WIDTH * WIDTH
-    tail = n_focus.to(tl.int64) * n_edge * ROW  # head plane → tail plane (SPLIT_A)
-    acc = _tile_matmul(
-        a_rows, tail, row_mask, wt_ptr + w_off, wt_lo_ptr + w_off, cols, col_mask,
-        WIDTH, WIDTH, FAST, SPLIT_A, BLOCK_K, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-    if FAST and FINAL:
+    if HALVES:
         # Holding grad, x_local and the product of a whole tile at once spills (sm_90, 64x128
         # tile: 255 registers); one column half at a time does not (233) and ran 7 % faster
         # at the bar case. The other epilogues gained nothing from halves (H200, 2026-11-30).
@@ -764,3 +952,113 @@ def block_bwd_kernel(
     if ALPHA_PARTIALS:
         slot = pid_n + (NT0 if M1_BLOCK else 0)
         tl.store(part_ptr + (rows * n_focus + focus) * N_SLOTS + slot, grad_x, mask=row_mask)
+
+
+@triton.jit
+def block_bwd_kernel(
+    a_ptr,  # (F, E, ROW) pre-activation cotangent; (E, F, ROW) output cotangent when FINAL
+    wt_ptr,  # (NL, F, W, W) transposed block weights
+    res_ptr,  # (F, E, ROW) cotangent of the layer output (not read when FINAL)
+    alpha_ptr,  # (E, F)
+    out_ptr,  # (F, E, ROW) out: cotangent of the layer input
+    n_edge,
+    layer,
+    L: tl.constexpr,
+    FD: tl.constexpr,
+    M1_BLOCK: tl.constexpr,
+    FINAL: tl.constexpr,
+    APPLY_ALPHA: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Exact-tier residual backward of one block: ``g_in = g_out + gz @ Wᵀ`` (the fast tier's is
+    :func:`block_bwd_desc_kernel`).
+
+    For the final identity layer (``FINAL``) ``gz = g_out = alpha·grad`` is read edge-major and
+    alpha is applied after the product: ``g_in = alpha·(grad + grad @ Wᵀ)``.
+    """
+    GWD: tl.constexpr = L * FD
+    ROW: tl.constexpr = FD + 3 * GWD
+    M0: tl.constexpr = FD + GWD
+    WIDTH: tl.constexpr = 2 * GWD if M1_BLOCK else M0
+    COL0: tl.constexpr = M0 if M1_BLOCK else 0
+    focus, n_focus = _focus_coords()
+    rows, row_mask, cols, col_mask, pid_n = _tile_coords(n_edge, WIDTH, BLOCK_M, BLOCK_N)
+
+    edge_rows = (rows * n_focus + focus) * ROW + COL0
+    act_rows = (focus * n_edge + rows) * ROW + COL0
+    a_rows = a_ptr + (edge_rows if FINAL else act_rows)
+    w_off = (layer * n_focus + focus) * WIDTH * WIDTH
+    acc = _tile_matmul(
+        a_rows, row_mask, wt_ptr + w_off, wt_ptr, cols, col_mask,
+        WIDTH, WIDTH, False, BLOCK_K, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    _block_bwd_finish(
+        acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, out_ptr,
+        out_ptr, out_ptr, n_edge, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA, False, False, BLOCK_N,
+        BLOCK_M,
+    )  # fmt: skip
+
+
+@triton.jit
+def block_bwd_desc_kernel(
+    a_desc,  # FINAL: fp32 (E, F, ROW) descriptor over the output cotangent, block
+    # (BLOCK_M, 1, BLOCK_K); else fp16 (2·F·E, ROW) over the split cotangent planes
+    wt_desc,  # fp16 (NL·F·W, W) over the transposed weight heads, block (BLOCK_K, BLOCK_N)
+    wt_lo_desc,  # the same over the tails
+    a_ptr,  # (E, F, ROW) the output cotangent (FINAL)
+    res_ptr,  # (F, E, ROW) cotangent of the layer output (not read when FINAL)
+    alpha_ptr,  # (E, F)
+    x_ptr,  # (E, F, ROW) the forward's x_local (ALPHA_PARTIALS)
+    part_ptr,  # (E, F, NT) out: per column tile, Σ grad·x_local over its columns (ALPHA_PARTIALS)
+    out_ptr,  # (F, E, ROW) out: cotangent of the layer input
+    n_edge,
+    n_focus,
+    layer,
+    L: tl.constexpr,
+    FD: tl.constexpr,
+    M1_BLOCK: tl.constexpr,
+    FINAL: tl.constexpr,
+    APPLY_ALPHA: tl.constexpr,
+    ALPHA_PARTIALS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Fast-tier residual backward of one block on a persistent grid (tiles as
+    :func:`_flat_tile`), operands fed by descriptors (:func:`_desc_matmul`).
+
+    ``g_in = g_out + gz @ Wᵀ``, with ``gz`` read as the head/tail planes of :func:`_store_split`
+    that the gate backward kernels leave. For the final identity layer (``FINAL``) ``gz = g_out
+    = alpha·grad`` is read edge-major (split in registers), alpha is applied after the product,
+    ``g_in = alpha·(grad + grad @ Wᵀ)``, and the epilogue runs on one column half at a time;
+    ``ALPHA_PARTIALS`` also leaves this tile's share of ``Σ_c grad·x_local`` for the alpha
+    gradient: the m=0 block fills slots ``[0, NT0)``, the |m|=1 block the next ``NT1``, and the
+    caller sums the slots.
+    """
+    GWD: tl.constexpr = L * FD
+    ROW: tl.constexpr = FD + 3 * GWD
+    M0: tl.constexpr = FD + GWD
+    WIDTH: tl.constexpr = 2 * GWD if M1_BLOCK else M0
+    COL0: tl.constexpr = M0 if M1_BLOCK else 0
+    n_tiles = _n_flat_tiles(n_edge, n_focus, WIDTH, BLOCK_M, BLOCK_N)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        focus, first, rows, row_mask, cols, _col_mask, pid_n = _flat_tile(
+            tile, n_edge, WIDTH, BLOCK_M, BLOCK_N
+        )
+        focus32 = focus.to(tl.int32)
+        if FINAL:
+            a_row, a_next = first, focus32
+        else:
+            a_row, a_next = focus32 * n_edge + first, n_focus * n_edge
+        acc = _desc_matmul(
+            a_desc, a_row, a_next, COL0, wt_desc, wt_lo_desc, (layer * n_focus + focus32) * WIDTH,
+            pid_n * BLOCK_N, WIDTH, not FINAL, FINAL, BLOCK_K, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        a_rows = a_ptr + (rows * n_focus + focus) * ROW + COL0
+        _block_bwd_finish(
+            acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, x_ptr,
+            part_ptr, out_ptr, n_edge, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
+            FINAL, BLOCK_N, BLOCK_M,
+        )  # fmt: skip

@@ -216,16 +216,19 @@ def test_opcheck() -> None:
     )  # fmt: skip
 
 
-def test_compile_aot_eager() -> None:
-    ops = _float(make_operands(1, 32, 1, 5, 2), ALL_GRADS)
+@pytest.mark.parametrize(("precision", "grad_mask"), [("ieee", ALL_GRADS), ("fp16x3", FORCE_GRADS)])
+def test_compile_aot_eager(precision: str, grad_mask: tuple[bool, ...]) -> None:
+    """Traces whole; the fast tier's host-built tensor descriptors pass through tracing too."""
+    ops = _float(make_operands(1, 32, 1, 5, 2), grad_mask)
+    inputs = [t for t, m in zip(ops, grad_mask, strict=True) if m]
 
-    def f(*inputs: torch.Tensor) -> torch.Tensor:
-        u0, alpha, w0, w1, gw = inputs
-        return so2_mixing_stack(u0, alpha, w0, w1, gw, 1, 32, True)[0].square().sum()
+    def f(*operands: torch.Tensor) -> torch.Tensor:
+        u0, alpha, w0, w1, gw = operands
+        return so2_mixing_stack(u0, alpha, w0, w1, gw, 1, 32, True, precision)[0].square().sum()
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    got = torch.autograd.grad(compiled(*ops), ops)
-    want = torch.autograd.grad(f(*ops), ops)
+    got = torch.autograd.grad(compiled(*ops), inputs)
+    want = torch.autograd.grad(f(*ops), inputs)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
 
@@ -285,6 +288,30 @@ def test_fast_tier_zero_edges() -> None:
     for g, t in zip(grads, ops, strict=True):
         assert g.shape == t.shape
     assert all(bool((g == 0).all()) for g in grads[2:])
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` that starts one element past a 16-byte boundary."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = storage[1:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+def test_fast_tier_misaligned_views() -> None:
+    """Tensor descriptors need 16-byte aligned bases: views at odd offsets (activation, output
+    cotangent) give the same bits as aligned tensors."""
+    ops = make_operands(2, 32, 2, 21, 3, seed=5)
+    cot = torch.randn(21, 2, ops[0].shape[2])
+    results = []
+    for shift in (False, True):
+        u0 = (_misaligned(ops[0]) if shift else ops[0].clone()).requires_grad_()
+        x_local = so2_mixing_stack(u0, *ops[1:], 2, 32, True, "fp16x3")[0]
+        grad = _misaligned(cot) if shift else cot
+        results.append([x_local.detach(), *torch.autograd.grad(x_local, u0, grad)])
+    for aligned, shifted in zip(*results, strict=True):
+        assert torch.equal(aligned, shifted)
 
 
 # Cached weight operands (fp16x3 planes, transposed copies): built once per weight version.
@@ -365,57 +392,50 @@ def test_steps_reuse_weight_operands_and_see_updates(
 # variable changing shape inside a runtime branch), so compile every kernel for sm_90 ahead of
 # time. Triton ships ptxas, so this runs on the CPU-only CI.
 
-_COMMON_SIG = {"n_edge": "i32", "layer": "i32"}
+_SCALARS = ("n_edge", "n_focus", "layer")
 _WEIGHTS = {"w", "w_lo", "wt", "wt_lo", "gw", "gw_lo", "gwt", "gwt_lo"}
 """Operands that are fp16 (head, tail) pairs in the fast tier."""
-_KERNEL_POINTERS = {
-    "block_fwd_kernel": ("u", "w", "w_lo", "z", "sig", "alpha", "out"),
-    "gate_fwd_kernel": ("z", "gw", "gw_lo", "res", "sig", "out"),
-    "gate_bwd_kernel": ("z", "gw", "gw_lo", "g", "gz", "q", "unext", "uprev"),
-    "scalar_bwd_kernel": ("q", "gwt", "gwt_lo", "z", "g", "gz", "unext", "uprev"),
-    "block_bwd_kernel": ("a", "wt", "wt_lo", "res", "alpha", "x", "part", "out"),
-    "gate_bwd_split_kernel": ("z", "gw", "gw_lo", "g", "gzup", "gzs", "q", "unext", "uprev"),
-    "scalar_bwd_split_kernel": (
-        "q", "gwt", "gwt_lo", "z", "g", "gzup", "gzs", "unext", "uprev",
-    ),
-}  # fmt: skip
-_PLAIN_BWD = {"SPLIT_A": False, "ALPHA_PARTIALS": False}
-_KERNEL_FLAGS: dict[str, list[dict[str, int]]] = {
-    "block_fwd_kernel": [
-        {"M1_BLOCK": m1, "FINAL": fin, "APPLY_ALPHA": True} for m1 in (0, 1) for fin in (0, 1)
-    ],
-    "gate_fwd_kernel": [
-        {"HAS_RES": True, "ALL_ROWS": False, "STORE_SIG": True},
-        {"HAS_RES": False, "ALL_ROWS": True, "STORE_SIG": False},
-    ],
-    "gate_bwd_kernel": [{"RECOVER": True}],
-    "scalar_bwd_kernel": [{"RECOVER": True}],
-    "block_bwd_kernel": [
-        {"M1_BLOCK": m1, "FINAL": fin, "APPLY_ALPHA": True, **_PLAIN_BWD}
-        for m1 in (0, 1)
-        for fin in (0, 1)
-    ],
-}
-_FAST_ONLY_VARIANTS: list[tuple[str, dict[str, int]]] = [
-    *(
-        ("block_bwd_kernel", {"M1_BLOCK": m1, "FINAL": 0, "APPLY_ALPHA": 0, "SPLIT_A": 1,
-                              "ALPHA_PARTIALS": 0})
-        for m1 in (0, 1)
-    ),
-    ("block_bwd_kernel", {"M1_BLOCK": 1, "FINAL": 1, "APPLY_ALPHA": 1, "SPLIT_A": 0,
-                          "ALPHA_PARTIALS": 1}),
+
+_Variant = tuple[str, dict[str, int]]
+_BLOCKS = [{"M1_BLOCK": m1, "FINAL": fin} for m1 in (0, 1) for fin in (0, 1)]
+_EXACT_VARIANTS: list[_Variant] = [
+    *(("block_fwd_kernel", {**b, "APPLY_ALPHA": 1}) for b in _BLOCKS),
+    ("gate_fwd_kernel", {"HAS_RES": 1, "ALL_ROWS": 0, "STORE_SIG": 1}),
+    ("gate_fwd_kernel", {"HAS_RES": 0, "ALL_ROWS": 1, "STORE_SIG": 0}),
+    ("gate_bwd_kernel", {"RECOVER": 1}),
+    ("scalar_bwd_kernel", {"RECOVER": 1}),
+    *(("block_bwd_kernel", {**b, "APPLY_ALPHA": 1}) for b in _BLOCKS),
+]
+_FAST_VARIANTS: list[_Variant] = [
+    *(("block_fwd_desc_kernel", {**b, "APPLY_ALPHA": 1}) for b in _BLOCKS),
+    ("gate_fwd_kernel", {"HAS_RES": 1, "ALL_ROWS": 0, "STORE_SIG": 1}),
     *(
         (name, {"HAS_GZ_UP": on, "RECOVER": on})
         for name in ("gate_bwd_split_kernel", "scalar_bwd_split_kernel")
         for on in (0, 1)
     ),
+    *(("block_bwd_desc_kernel", {**b, "APPLY_ALPHA": b["FINAL"], "ALPHA_PARTIALS": b["FINAL"]})
+      for b in _BLOCKS),
 ]  # fmt: skip
-"""The fast traversal's own kernels and variants (split cotangent planes, alpha partials)."""
+"""Every kernel variant each tier launches (the fast traversal: split cotangent planes, alpha
+partials, descriptor-fed persistent block GEMMs)."""
 
 
-def _pointer_dtype(name: str, flags: dict[str, int], fast: bool) -> str:
-    split_plane = name == "gzs" or (name == "a" and flags.get("SPLIT_A", 0))
-    return "*fp16" if split_plane or (fast and name in _WEIGHTS) else "*fp32"
+def _argument_type(arg: str, flags: dict[str, int], fast: bool, tile: tuple[int, ...]) -> str:
+    """Compile-time type of kernel argument ``arg`` (``tile`` = (BLOCK_M, BLOCK_N, BLOCK_K))."""
+    block_m, block_n, block_k = tile
+    if arg in _SCALARS:
+        return "i32"
+    if arg == "u_desc":
+        return f"tensordesc<fp32[{block_m},{block_k}]>"
+    if arg == "a_desc":
+        if flags["FINAL"]:
+            return f"tensordesc<fp32[{block_m},1,{block_k}]>"
+        return f"tensordesc<fp16[{block_m},{block_k}]>"
+    if arg.endswith("_desc"):
+        return f"tensordesc<fp16[{block_k},{block_n}]>"
+    name = arg.removesuffix("_ptr")
+    return "*fp16" if name == "gzs" or (fast and name in _WEIGHTS) else "*fp32"
 
 
 def compile_all_for_sm90(fast: bool) -> int:
@@ -426,24 +446,22 @@ def compile_all_for_sm90(fast: bool) -> int:
 
     from so2kernels.mixing_stack_kernels import fallback_tile
 
-    precision = StackPrecision.FAST if fast else StackPrecision.EXACT
-    variants = [(name, flags) for name, options in _KERNEL_FLAGS.items() for flags in options]
-    if fast:
-        variants += _FAST_ONLY_VARIANTS
+    cfg = fallback_tile(StackPrecision.FAST if fast else StackPrecision.EXACT)
+    tile = (cfg.block_m, cfg.block_n, cfg.block_k)
     n_compiled = 0
-    for kernel_name, flags in variants:
+    for kernel_name, flags in _FAST_VARIANTS if fast else _EXACT_VARIANTS:
         kernel = getattr(mixing_stack_kernels, kernel_name)
-        cfg = fallback_tile(precision)
-        signature = {
-            f"{n}_ptr": _pointer_dtype(n, flags, fast) for n in _KERNEL_POINTERS[kernel_name]
-        }
-        signature.update(_COMMON_SIG)
         consts = {
             "L": 2, "FD": 96, **flags,
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
         }  # fmt: skip
         if "FAST" in kernel.arg_names:
             consts["FAST"] = fast
+        signature = {
+            arg: _argument_type(arg, flags, fast, tile)
+            for arg in kernel.arg_names
+            if arg not in consts
+        }
         source = ASTSource(
             fn=kernel,
             signature={**signature, **dict.fromkeys(consts, "constexpr")},
@@ -457,7 +475,7 @@ def compile_all_for_sm90(fast: bool) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fast", "n_variants"), [(False, 12), (True, 19)])
+@pytest.mark.parametrize(("fast", "n_variants"), [(False, 12), (True, 13)])
 def test_kernels_compile_for_sm90(fast: bool, n_variants: int) -> None:
     assert compiled_count("test_mixing_stack", f"compile_all_for_sm90({fast})") == n_variants
 
