@@ -57,8 +57,9 @@ case "$topic" in
     STEP_S=300 run python3 benchmarks/model.py --cases small:192,1536,12288 --paths compiled --compile-configs small --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
     STEP_S=280 run python3 benchmarks/model.py --cases medium:192,1536,12288 --paths compiled --compile-configs medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
     ;;
-  replay)  # the sync-free replay (search inside the CUDA graph): its gpu tests, then the 192/1,536-atom steps
-    STEP_S=150 run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/graph/test_sync_free.py tests/graph/test_pair_search.py tests/model/test_fast_tier.py tests/model/test_golden_systems.py
+  replay)  # the sync-free replay (search inside the CUDA graph) and the descriptor-fed stack: their gpu tests, then the 192/1,536-atom steps
+    STEP_S=110 run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/graph/test_sync_free.py tests/graph/test_pair_search.py tests/model/test_fast_tier.py
+    STEP_S=130 run python3 -m pytest -q -m "gpu and not slow" tests/kernels/test_mixing_stack.py
     STEP_S=100 run python3 benchmarks/model.py --cases bar:192,1536 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
     ;;
   closing)  # last call of a session (~5 min): the 192/1,536-atom steps, the service, then the gpu tests of the glue/stack/service changes
