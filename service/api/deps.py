@@ -7,9 +7,9 @@ plain functions, which ``/evaluate`` (bare ASGI, ``evaluate.py``) calls directly
 
 from __future__ import annotations
 
+import itertools
 import re
 import secrets
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -23,11 +23,18 @@ from service.engine import Engine, Evaluator, ServiceMetrics
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
+_FRESH_ID_PREFIX = secrets.token_hex(10)
+_FRESH_ID_SERIAL = itertools.count()
+
+
 def request_id_from(sent: str | None) -> str:
-    """The client's ``X-Request-ID`` if it is a sane token, else a fresh one."""
+    """The client's ``X-Request-ID`` if it is a sane token, else a fresh one: 32 hex digits,
+    a prefix drawn once per process and a serial number. Not ``uuid4()``, which reads
+    ``os.urandom`` for every request: a system call made without the GIL, which the event
+    loop then has to win back from the device thread in the middle of its launches."""
     if sent is not None and _REQUEST_ID.match(sent):
         return sent
-    return uuid.uuid4().hex
+    return f"{_FRESH_ID_PREFIX}{next(_FRESH_ID_SERIAL) % (1 << 48):012x}"
 
 
 @dataclass

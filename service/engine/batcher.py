@@ -287,6 +287,9 @@ class _Batch:
     n_atoms: int
     n_edges: float
     inline: bool = False  # runs on the event loop thread
+    # perf_counter() when the previous pass ended, if this batch's work was queued by then:
+    # the device idled from that moment until this pass began (so2serve_pass_gap_seconds).
+    follows_pass_at: float | None = None
 
     @property
     def jobs(self) -> set[_Job]:
@@ -342,6 +345,7 @@ class Engine:
         # Every client answered and not back yet → when it was answered (oldest first).
         self._away: OrderedDict[Hashable, float] = OrderedDict()
         self._running: _Batch | None = None  # the batch on the device
+        self._last_pass_end: float | None = None  # perf_counter() when the last pass ended
         # An inline pass ran and the loop has not turned since (see _start_pass).
         self._inline_unsettled = False
         self._window: asyncio.TimerHandle | None = None  # pending end of a gathering wait
@@ -681,6 +685,7 @@ class Engine:
 
     def _finish_pass(self, batch: _Batch, outcome: BatchOutput | BaseException) -> None:
         self._running = None
+        self._last_pass_end = None if isinstance(outcome, BaseException) else outcome.finished_at
         if not self._open:
             return  # stop() has already failed every request of this batch
         if isinstance(outcome, BaseException):
@@ -741,7 +746,10 @@ class Engine:
             self._queue.popleft()
         self._metrics.queue_depth.set(len(self._queue))
         properties = frozenset({"energy"}.union(*(c.job.properties for c in chunks)))
-        return _Batch(chunks, parts, properties, n_structures, n_atoms, n_edges)
+        waited = self._last_pass_end
+        if waited is not None and head.admitted_at > waited:
+            waited = None  # the device was idle, waiting for work
+        return _Batch(chunks, parts, properties, n_structures, n_atoms, n_edges, False, waited)
 
     def _take_alone(self, job: _Job) -> _Batch:
         """The whole of ``job``, the only request queued, as an inline batch."""
@@ -807,6 +815,8 @@ class Engine:
         self._record_batch(batch)
         m = self._metrics
         m.pass_seconds.observe(output.seconds)
+        if batch.follows_pass_at is not None:
+            m.pass_gap.observe(max(0.0, output.started_at - batch.follows_pass_at))
         if output.seconds > 0:
             rate = batch.n_atoms / output.seconds
             m.atom_steps_per_second.set(rate)

@@ -102,6 +102,15 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.pass_gap = Histogram(
+            "so2serve_pass_gap_seconds",
+            "Device idle between the end of a pass and the start of the next, for a next pass "
+            "whose work was already queued when the first ended (handing the results back to "
+            "the event loop, forming the batch, the hop to the worker; a gathering wait "
+            "included).",
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
         self.pass_seconds = Histogram(
             "so2serve_pass_seconds",
             "Wall time of one device pass (one batch).",

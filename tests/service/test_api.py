@@ -117,6 +117,23 @@ def test_health_info_metrics_and_docs(client: httpx.Client) -> None:
     assert client.get("/docs").status_code == 200
 
 
+def test_fresh_request_ids_are_distinct_32_hex_digit_tokens(client: httpx.Client) -> None:
+    """Without (or with an unusable) ``X-Request-ID`` the server makes one up: distinct for
+    every request, in the answer's header and provenance alike."""
+    ids = []
+    for sent in (None, "not a token!", None):
+        headers = {} if sent is None else {"X-Request-ID": sent}
+        response = client.post(
+            "/evaluate", json=request_document([small_molecule()], ("energy",)), headers=headers
+        )
+        assert response.status_code == 200
+        fresh = response.headers["x-request-id"]
+        assert fresh == response.json()["provenance"]["request_id"]
+        assert len(fresh) == 32 and int(fresh, 16) >= 0
+        ids.append(fresh)
+    assert len(set(ids)) == 3
+
+
 def test_results_match_the_potential_and_carry_provenance(
     client: httpx.Client, server: tuple[str, PairPotential]
 ) -> None:

@@ -122,6 +122,32 @@ def test_concurrent_requests_coalesce_and_get_their_own_results() -> None:
     assert pot.calls[1] == (8, sum(s.n_atoms for s in requests))  # one pass after the blocker
 
 
+def test_pass_gaps_are_observed_only_for_work_queued_before_the_device_freed() -> None:
+    """``so2serve_pass_gap_seconds``: the device idle from the end of a pass to the start of
+    the next, observed when that next pass's work was queued before the first ended (the
+    requests waiting behind the blocker), not for a request arriving to an idle device."""
+    pot = PairPotential(delay_s=0.1)
+    water = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> tuple[float, float, float]:
+        blocker = await busy(engine, pot)
+        await asyncio.gather(*(engine.evaluate(water, PROPS) for _ in range(3)))
+        await blocker
+        after_backlog = metric(metrics, "so2serve_pass_gap_seconds_count")
+        await asyncio.sleep(0.05)  # the device idles with nothing queued
+        await engine.evaluate(water, PROPS)
+        return (
+            after_backlog,
+            metric(metrics, "so2serve_pass_gap_seconds_count"),
+            metric(metrics, "so2serve_pass_gap_seconds_sum"),
+        )
+
+    after_backlog, total, seconds = run_engine(pot, scenario)
+    assert after_backlog == 1  # the pass after the blocker
+    assert total == 1  # the late request found the device idle: no gap
+    assert 0.0 <= seconds < 0.1  # a loop turn and a thread hop, not a pass
+
+
 def test_a_lone_client_never_waits_for_the_window() -> None:
     async def scenario(engine: Engine, metrics: ServiceMetrics) -> float:
         start = time.perf_counter()

@@ -4,11 +4,12 @@ event-loop iteration after it, and nothing else is held."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any, cast
 
 import httpx
 
-from service.api.http_protocol import HeadJoiningTransport
+from service.api.http_protocol import HeadJoiningTransport, plain_socket_fd
 from tests.service.fakes import running_server
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n"
@@ -117,3 +118,100 @@ def test_head_only_and_streamed_answers_through_uvicorn() -> None:
         assert client.get("/plain").json() == {"ok": "yes"}
         assert client.get("/stream").content == b"part0;part1;part2;"
         assert client.get("/plain").json() == {"ok": "yes"}  # same connection, still in step
+
+
+class SocketTransport(RecordingTransport):
+    """A transport over one end of a socket pair: what the wrapper writes itself arrives
+    at the other end; what it hands to the transport is recorded (as a queued write)."""
+
+    def __init__(self, sock: socket.socket, buffered: int = 0, **extra: Any) -> None:
+        super().__init__()
+        self.sock = sock
+        self.buffered = buffered
+        self.extra = {"socket": sock, **extra}
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.extra.get(name, default)
+
+
+def received(sock: socket.socket, size: int) -> bytes:
+    chunks = []
+    while size > 0:
+        chunk = sock.recv(min(size, 1 << 16))
+        assert chunk, "the connection closed early"
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def test_a_plain_socket_is_written_directly_and_in_order() -> None:
+    """Head and body go to the socket itself (without the GIL); nothing through the
+    transport."""
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        ours.setblocking(False)
+
+        async def run() -> SocketTransport:
+            inner = SocketTransport(ours)
+            transport = HeadJoiningTransport(
+                cast(asyncio.Transport, inner), asyncio.get_running_loop()
+            )
+            transport.write(HEAD)
+            transport.write(b"body")
+            transport.write(b"more")
+            return inner
+
+        inner = asyncio.run(run())
+        assert inner.writes == []
+        assert received(peer, len(HEAD) + 8) == HEAD + b"bodymore"
+
+
+def test_what_the_socket_does_not_take_goes_to_the_transport_after_it() -> None:
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        ours.setblocking(False)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        payload = bytes(range(256)) * (1 << 14)  # 4 MiB: more than the socket buffers hold
+
+        async def run() -> SocketTransport:
+            inner = SocketTransport(ours)
+            transport = HeadJoiningTransport(
+                cast(asyncio.Transport, inner), asyncio.get_running_loop()
+            )
+            transport.write(payload)
+            return inner
+
+        inner = asyncio.run(run())
+        assert len(inner.writes) == 1
+        tail = inner.writes[0]
+        assert 0 < len(tail) < len(payload)
+        assert received(peer, len(payload) - len(tail)) + tail == payload
+
+
+def test_bytes_queued_in_the_transport_keep_later_writes_behind_them() -> None:
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        ours.setblocking(False)
+
+        async def run() -> SocketTransport:
+            inner = SocketTransport(ours, buffered=10)
+            transport = HeadJoiningTransport(
+                cast(asyncio.Transport, inner), asyncio.get_running_loop()
+            )
+            transport.write(b"later")
+            return inner
+
+        assert asyncio.run(run()).writes == [b"later"]
+
+
+def test_tls_and_socketless_transports_are_written_through_the_transport() -> None:
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        assert plain_socket_fd(cast(asyncio.Transport, SocketTransport(ours))) == ours.fileno()
+        for extra in ({"ssl_object": object()}, {"sslcontext": object()}):
+            tls = SocketTransport(ours, **extra)
+            assert plain_socket_fd(cast(asyncio.Transport, tls)) is None
+    assert plain_socket_fd(cast(asyncio.Transport, RecordingTransport())) is None
