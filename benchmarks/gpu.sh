@@ -62,10 +62,9 @@ case "$topic" in
     STEP_S=130 run python3 -m pytest -q -m "gpu and not slow" tests/kernels/test_mixing_stack.py
     STEP_S=100 run python3 benchmarks/model.py --cases bar:192,1536 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
     ;;
-  closing)  # last call of a session (~5 min): the 192/1,536-atom steps, the service, then the gpu tests of the glue/stack/service changes
-    STEP_S=95 run python3 benchmarks/model.py --cases bar:192,1536 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
-    STEP_S=115 run python3 benchmarks/service.py --device cuda --quick --phases in_process engine http throughput
-    STEP_S=95 run python3 -m pytest -q -m gpu tests/model/test_golden_systems.py tests/model/test_captured.py tests/graph/test_sync_free.py tests/kernels/test_mixing_stack.py tests/service/test_deepmd_served_gpu.py
+  closing)  # last call of a session (~5.5 min): the service (paired overhead, steady-window crowd), then the gpu tests of the replay, the stack's capture, golden systems and served checkpoints
+    STEP_S=170 run python3 benchmarks/service.py --device cuda --quick --phases in_process engine http throughput
+    STEP_S=150 run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/kernels/test_mixing_stack.py::test_gpu_capture_reads_cached_weight_operands tests/model/test_golden_systems.py tests/service/test_deepmd_served_gpu.py
     ;;
   smallstep)  # after graph/glue/service changes: their gpu tests, neighbour-search crossover, 192-12k steps, service
     STEP_S=150 run python3 -m pytest -q -m gpu tests/graph/test_pair_search.py tests/graph/test_neighbors.py tests/graph/test_sync_free.py tests/kernels/test_aggregate.py tests/kernels/test_outer_sum.py tests/kernels/test_mixing_stack.py tests/model/test_captured.py tests/model/test_golden_systems.py tests/model/test_fast_tier.py

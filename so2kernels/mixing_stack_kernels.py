@@ -223,15 +223,15 @@ def weight_operands(
     if not _cacheable(w):
         return _build_operands(w, precision, transposed)
     entries: _Entries | None = _operand_cache.get(w)  # type: ignore[no-untyped-call]
+    key, stamp = (precision, transposed), _stamp(w)
+    hit = entries.get(key) if entries is not None else None
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    if _capturing(w.device):  # planes built now live in the graph's pool: never cached
+        return _build_operands(w, precision, transposed)
     if entries is None:
         entries = {}
         _operand_cache[w] = entries
-    key, stamp = (precision, transposed), _stamp(w)
-    hit = entries.get(key)
-    if hit is not None and hit[0] == stamp:
-        return hit[1]
-    if _capturing(w.device):
-        return _build_operands(w, precision, transposed)
     # Normal tensors under no_grad even when first asked for in inference mode or under
     # autograd: the planes are kernel operands only, never part of a graph.
     with torch.inference_mode(False), torch.no_grad():
