@@ -283,8 +283,13 @@ def edge_major_descriptor(x: Tensor, block_m: int, block_k: int) -> TensorDescri
     """The edge-major ``(E, F, ROW)`` fp32 cotangent as a 3-d descriptor with ``(block_m, 1,
     block_k)`` boxes (one focus per box)."""
     _check_rows(x.shape[0])
-    x = _aligned(x)
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, 1, block_k])
+    x = _aligned(x.contiguous())
+    n_edges, n_focus, row = x.shape
+    # A contiguous tensor may carry any stride on a size-1 axis (an F = 1 cotangent made by a
+    # permute); a descriptor's strides must be 16-byte multiples, which the canonical ones are.
+    return TensorDescriptor(
+        x, [n_edges, n_focus, row], [n_focus * row, row, 1], [block_m, 1, block_k]
+    )
 
 
 def weight_descriptors(

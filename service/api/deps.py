@@ -8,6 +8,7 @@ plain functions, which ``/evaluate`` (bare ASGI, ``evaluate.py``) calls directly
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import secrets
 from collections.abc import Mapping
@@ -23,18 +24,32 @@ from service.engine import Engine, Evaluator, ServiceMetrics
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-_FRESH_ID_PREFIX = secrets.token_hex(10)
-_FRESH_ID_SERIAL = itertools.count()
+class _FreshIds:
+    """Request ids: 32 hex digits, a prefix drawn once per process and a serial number. Not
+    ``uuid4()``, which reads ``os.urandom`` for every request: a system call made without the
+    GIL, which the event loop then has to win back from the device thread in the middle of its
+    launches. A forked child draws its own prefix (it would otherwise repeat its parent's ids)."""
+
+    def __init__(self) -> None:
+        self.restart()
+        os.register_at_fork(after_in_child=self.restart)
+
+    def restart(self) -> None:
+        self._prefix = secrets.token_hex(10)
+        self._serial = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._serial) % (1 << 48):012x}"
+
+
+_fresh_ids = _FreshIds()
 
 
 def request_id_from(sent: str | None) -> str:
-    """The client's ``X-Request-ID`` if it is a sane token, else a fresh one: 32 hex digits,
-    a prefix drawn once per process and a serial number. Not ``uuid4()``, which reads
-    ``os.urandom`` for every request: a system call made without the GIL, which the event
-    loop then has to win back from the device thread in the middle of its launches."""
+    """The client's ``X-Request-ID`` if it is a sane token, else a fresh one."""
     if sent is not None and _REQUEST_ID.match(sent):
         return sent
-    return f"{_FRESH_ID_PREFIX}{next(_FRESH_ID_SERIAL) % (1 << 48):012x}"
+    return _fresh_ids.next()
 
 
 @dataclass

@@ -558,7 +558,10 @@ class CapturedSteps:
         outputs, n_edges, close = self._replay(recorded, bucket, batch)
         if close or n_edges > predicted:
             return None
-        self._predict(key, n_edges)
+        # A smaller bucket is predicted next only once it has a graph: edge counts that hover
+        # at a bucket boundary (MD) keep replaying the larger graph instead of searching.
+        if key.bucket(n_edges) in self._graphs:
+            self._predict(key, n_edges)
         return outputs
 
     def run(self, batch: ReplayBatch, n_edges: int) -> StepOutputs | None:
@@ -567,7 +570,7 @@ class CapturedSteps:
         or when the batch is too large to record (the caller then evaluates eagerly)."""
         self._drop_stale_graphs()
         key = BatchKey.of(batch)
-        self._predict(key, n_edges)
+        self.observe(batch, n_edges)
         if not self.accepts(batch.structures.n_atoms, n_edges):
             return None
         bucket = key.bucket(n_edges)
@@ -594,6 +597,11 @@ class CapturedSteps:
                 f"search before it found {n_edges}"
             )
         return outputs
+
+    def observe(self, batch: ReplayBatch, n_edges: int) -> None:
+        """Predict ``n_edges``' bucket for the next batch of ``batch``'s key (the caller found
+        them by a search; :meth:`run` does this itself)."""
+        self._predict(BatchKey.of(batch), n_edges)
 
     def clear(self) -> None:
         """Drop every recorded graph and its memory (e.g. before retrying after an OOM)."""

@@ -317,9 +317,12 @@ class Potential:
             edge_chunk = edge_chunk_for(
                 self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph
             )
-            if replay is not None and edge_chunk is None:
+            if replay is not None and self._captured is not None:
                 n_edges = graph.n_edges
-                out = self._replay(lambda captured: captured.run(replay, n_edges))
+                if edge_chunk is None:
+                    out = self._replay(lambda captured: captured.run(replay, n_edges))
+                else:  # chunked for memory, not replayed; the next speculation must know
+                    self._captured.observe(replay, n_edges)
             if out is None:
                 inputs = StepInputs(graph, placed.positions, placed.cells, placed_types)
                 out = self._step(

@@ -314,6 +314,22 @@ def test_fast_tier_misaligned_views() -> None:
         assert torch.equal(aligned, shifted)
 
 
+def test_fast_tier_single_focus_cotangent_with_odd_size_one_stride() -> None:
+    """An F = 1 cotangent made by a permute is contiguous yet strides its focus axis by 1 (torch
+    ignores size-1 strides), which a tensor descriptor refuses: the backward must not care."""
+    ops = make_operands(2, 32, 1, 21, 3, seed=9)
+    row = ops[0].shape[2]
+    cot = torch.randn(21, 1, row)
+    permuted = cot.view(21, row, 1).permute(0, 2, 1)
+    assert permuted.is_contiguous() and permuted.stride() == (row, 1, 1)
+    grads = []
+    for grad in (cot, permuted):
+        u0 = ops[0].clone().requires_grad_()
+        x_local = so2_mixing_stack(u0, *ops[1:], 2, 32, True, "fp16x3")[0]
+        grads.append(torch.autograd.grad(x_local, u0, grad)[0])
+    assert torch.equal(grads[0], grads[1])
+
+
 # Cached weight operands (fp16x3 planes, transposed copies): built once per weight version.
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -132,6 +133,24 @@ def test_fresh_request_ids_are_distinct_32_hex_digit_tokens(client: httpx.Client
         assert len(fresh) == 32 and int(fresh, 16) >= 0
         ids.append(fresh)
     assert len(set(ids)) == 3
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_worker_draws_its_own_request_ids() -> None:
+    """A pre-forking server's children must not repeat their parent's ids."""
+    from service.api.deps import request_id_from
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: send one fresh id and leave at once
+        os.write(write, request_id_from(None).encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    parent = request_id_from(None)
+    assert len(child) == 32 and child[:20] != parent[:20]
 
 
 def test_results_match_the_potential_and_carry_provenance(
