@@ -306,13 +306,10 @@ def _direct_pairs_kernel(
 
 
 @dataclass(frozen=True)
-class DirectPairs:
-    """Canonically ordered edges of a batch with both CSR offsets (all int64, on the device).
-
-    ``dst``, ``src``, ``edge_batch`` (E,), ``shifts`` (E, 3), ``dst_rowptr`` and ``src_rowptr``
-    (N+1,); ``src_rowptr`` counts edges per source (its order is left to the caller);
-    ``edge_ptr`` (B+1,) the first edge of every structure.
-    """
+class _CanonicalEdges:
+    """Edges in canonical order with both CSR offsets (all int64, on the device): ``dst``,
+    ``src``, ``edge_batch`` (E,), ``shifts`` (E, 3), ``dst_rowptr`` and ``src_rowptr`` (N+1,);
+    ``src_rowptr`` counts edges per source (their order is left to the caller)."""
 
     dst: Tensor
     src: Tensor
@@ -320,26 +317,23 @@ class DirectPairs:
     edge_batch: Tensor
     dst_rowptr: Tensor
     src_rowptr: Tensor
+
+
+@dataclass(frozen=True)
+class DirectPairs(_CanonicalEdges):
+    """All edges of a batch; ``edge_ptr`` (B+1,) is the first edge of every structure."""
+
     edge_ptr: Tensor
 
 
 @dataclass(frozen=True)
-class BoundedPairs:
-    """A padded batch's edges in arrays of a fixed capacity (all int64, on the device).
+class BoundedPairs(_CanonicalEdges):
+    """A padded batch's edges in arrays of a fixed capacity: the edge arrays hold the first
+    ``min(E, capacity)`` edges (the rest is left unwritten); the offsets ``(R+1,)`` are the full
+    cumulative counts (constant ``E`` from row N on, even beyond the capacity); ``totals`` (2,)
+    is ``[E, close]``, ``close`` non-zero when some pair is closer than the table's
+    ``min_distance``."""
 
-    ``dst``, ``src``, ``edge_batch`` (capacity,) and ``shifts`` (capacity, 3) hold the first
-    ``min(E, capacity)`` edges in canonical order (the rest is left unwritten);
-    ``dst_rowptr`` and ``src_rowptr`` (R+1,) are the full cumulative counts (constant ``E`` from
-    row N on, even beyond the capacity); ``totals`` (2,) is ``[E, close]``, ``close`` non-zero
-    when some pair is closer than the table's ``min_distance``.
-    """
-
-    dst: Tensor
-    src: Tensor
-    shifts: Tensor
-    edge_batch: Tensor
-    dst_rowptr: Tensor
-    src_rowptr: Tensor
     totals: Tensor
 
 
