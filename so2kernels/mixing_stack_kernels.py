@@ -584,7 +584,7 @@ def block_fwd_desc_kernel(
 ):
     """Fast-tier :func:`block_fwd_kernel` on a persistent grid, operands fed by descriptors
     (:func:`_desc_matmul`); the programs stride over the flat tiles of :func:`_flat_tile`."""
-    M0: tl.constexpr = (L + 1) * FD
+    M0: tl.constexpr = FD + L * FD  # scalar rows, then the m=0 rows of l >= 1
     WIDTH: tl.constexpr = 2 * L * FD if M1_BLOCK else M0
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
     n_tiles = _n_flat_tiles(n_edge, n_focus, WIDTH, BLOCK_M, BLOCK_N)
