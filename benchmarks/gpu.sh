@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh verify|recheck|matrix|compiled|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|recheck|matrix|compiled|compiled-medium|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -53,9 +53,13 @@ case "$topic" in
     STEP_S=60 run python3 benchmarks/model.py --cases medium:98304 --paths fused --memory auto --no-agreement --repeats 2
     STEP_S=110 run python3 benchmarks/model.py --cases medium:192,1536,12288,98304 --paths reference --memory auto --no-agreement --repeats 2
     ;;
-  compiled)  # torch.compile(reference) series of issue #4 (small and medium, up to 12k atoms)
+  compiled)  # what the seventh session left of issue #4 (~10 min): the replay's host time, medium exact at 98k + largest, the compiled small series
+    STEP_S=60 run python3 benchmarks/replay_host_probe.py --steps 300
+    STEP_S=200 run python3 benchmarks/model.py --cases medium:98304 --paths fused --memory auto --no-agreement --repeats 2 --find-max --max-atoms 400000
     STEP_S=300 run python3 benchmarks/model.py --cases small:192,1536,12288 --paths compiled --compile-configs small --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
-    STEP_S=280 run python3 benchmarks/model.py --cases medium:192,1536,12288 --paths compiled --compile-configs medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
+    ;;
+  compiled-medium)  # the compiled medium series (~5 min)
+    STEP_S=290 run python3 benchmarks/model.py --cases medium:192,1536,12288 --paths compiled --compile-configs medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
     ;;
   replay)  # the sync-free replay (search inside the CUDA graph) and the descriptor-fed stack: their gpu tests, then the 192/1,536-atom steps
     STEP_S=110 run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/graph/test_sync_free.py tests/graph/test_pair_search.py tests/model/test_fast_tier.py

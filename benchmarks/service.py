@@ -1077,7 +1077,7 @@ def stand_in(kind: str) -> SleepEvaluator | LaunchEvaluator:
     """An H200 stand-in: ``"waits"`` / ``"gil30"`` the sleeping one holding the GIL for 0 % /
     30 % of each pass, ``"launches"`` the launch-bound one."""
     if kind == "launches":
-        return LaunchEvaluator(**H200_LAUNCHES)
+        return LaunchEvaluator(H200_LAUNCHES["fixed_s"], H200_LAUNCHES["per_atom_s"])
     return SleepEvaluator(**H200_PASS, host_share={"waits": 0.0, "gil30": 0.3}[kind])
 
 
