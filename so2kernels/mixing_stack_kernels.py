@@ -280,8 +280,8 @@ def row_descriptor(rows: Tensor, block_m: int, block_k: int) -> TensorDescriptor
 
 
 def edge_major_descriptor(x: Tensor, block_m: int, block_k: int) -> TensorDescriptor:
-    """The edge-major ``(E, F, ROW)`` fp32 cotangent as a 3-d descriptor with ``(block_m, 1,
-    block_k)`` boxes (one focus per box)."""
+    """The fp32 output cotangent, ``(E, F, ROW)`` with edges outermost, as a 3-d descriptor
+    with ``(block_m, 1, block_k)`` boxes (one focus per box)."""
     _check_rows(x.shape[0])
     x = _aligned(x.contiguous())
     n_edges, n_focus, row = x.shape

@@ -179,10 +179,13 @@ def place_and_build_graph_carrying(
     backend: Backend = "auto",
     min_distance: float = COINCIDENT_DISTANCE,
     candidate_budget: int = 2**25,
+    windows: ImageWindows | None = None,
 ) -> tuple[Structures, Graph, list[Tensor]]:
     """:func:`place_and_build_graph`, with ``carry`` (tensors on the structures' device, e.g.
     the atom types the host already looked up) placed on ``device`` in the same packed copy:
-    after the search's host read the caller then launches nothing to prepare them."""
+    after the search's host read the caller then launches nothing to prepare them.
+    ``windows``: the host batch's search table for ``rcut`` and ``min_distance``, if the caller
+    already made it."""
     _check_cutoff(rcut)
     device = torch.device(device)
     if structures.device.type != "cpu" or device.type == "cpu":
@@ -194,8 +197,7 @@ def place_and_build_graph_carrying(
         )  # fmt: skip
         return placed, graph, carried
     host = [*_structure_tensors(structures), *carry]
-    windows = None
-    if _may_search_directly(device, backend):
+    if windows is None and _may_search_directly(device, backend):
         windows = _image_windows(
             structures.cells, structures.pbc, structures.ptr, rcut, min_distance
         )

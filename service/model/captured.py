@@ -570,7 +570,7 @@ class CapturedSteps:
         or when the batch is too large to record (the caller then evaluates eagerly)."""
         self._drop_stale_graphs()
         key = BatchKey.of(batch)
-        self.observe(batch, n_edges)
+        self._predict(key, n_edges)
         if not self.accepts(batch.structures.n_atoms, n_edges):
             return None
         bucket = key.bucket(n_edges)
@@ -599,8 +599,8 @@ class CapturedSteps:
         return outputs
 
     def observe(self, batch: ReplayBatch, n_edges: int) -> None:
-        """Predict ``n_edges``' bucket for the next batch of ``batch``'s key (the caller found
-        them by a search; :meth:`run` does this itself)."""
+        """Predict ``n_edges``' bucket for the next batch of ``batch``'s key, for a batch the
+        caller searched and evaluated without :meth:`run` (which predicts by itself)."""
         self._predict(BatchKey.of(batch), n_edges)
 
     def clear(self) -> None:

@@ -312,8 +312,9 @@ class Potential:
                 # The types ride in the batch's packed copy: nothing is left to launch between
                 # the search's host read and the step.
                 placed, graph, (placed_types,) = place_and_build_graph_carrying(
-                    structures, cfg.rcut, self.device, [types]
-                )
+                    structures, cfg.rcut, self.device, [types],
+                    windows=replay.windows if replay is not None else None,
+                )  # fmt: skip
             edge_chunk = edge_chunk_for(
                 self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph
             )
