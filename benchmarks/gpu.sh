@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh verify|recheck|matrix|compiled|compiled-medium|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|recheck|matrix|compiled|compiled-medium|grid-rotate|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 topic=${1:?topic}; shift || true
 out=${OUT:-/tmp/so2serve_out}; mkdir -p "$out" benchmarks/results
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+site=${SO2_SITE:-/tmp/site}  # one per concurrent gpu.sh (benchmarks/gpu_many.sh)
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    --target "$site" .whl/*.whl && export PYTHONPATH=$site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
@@ -58,8 +59,15 @@ case "$topic" in
     STEP_S=200 run python3 benchmarks/model.py --cases medium:98304 --paths fused --memory auto --no-agreement --repeats 2 --find-max --max-atoms 400000
     STEP_S=300 run python3 benchmarks/model.py --cases small:192,1536,12288 --paths compiled --compile-configs small --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
     ;;
-  compiled-medium)  # the compiled medium series (~5 min)
+  compiled-medium)  # the compiled medium series, then the aggregate op's benchmark (~8 min)
     STEP_S=290 run python3 benchmarks/model.py --cases medium:192,1536,12288 --paths compiled --compile-configs medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
+    STEP_S=200 run python3 benchmarks/kernels.py --ops aggregate --per-op-timeout 190
+    ;;
+  grid-rotate)  # issue #2's rotate_mix grid at E = 1M with torch.compile, one GPU's worth (~9 min)
+    STEP_S=560 run python3 benchmarks/kernels.py --ops rotate_mix --per-op-timeout 550
+    ;;
+  grid-stack)  # issue #2's mixing-stack grid at E = 1M, both tiers, with torch.compile (~9 min)
+    STEP_S=560 run python3 benchmarks/kernels.py --ops mixing_stack --per-op-timeout 550
     ;;
   replay)  # the sync-free replay (search inside the CUDA graph) and the descriptor-fed stack: their gpu tests, then the 192/1,536-atom steps
     STEP_S=110 run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/graph/test_sync_free.py tests/graph/test_pair_search.py tests/model/test_fast_tier.py

@@ -369,6 +369,9 @@ def main() -> None:
         tiers = [StackPrecision.parse(p) for p in args.sweep_precisions]
         meta["table"] = str(sweep(tuned, args.sweep_edges, meta, tiers))
     rows = []
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = RESULTS / f"kernels_mixing_stack_{stamp}.json"
     for case in cases:
         ops = make_operands(case)
         row: dict[str, object] = {"case": case.name, **case.__dict__}
@@ -394,11 +397,9 @@ def main() -> None:
         del ops
         torch.cuda.empty_cache()
         rows.append(row)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = RESULTS / f"kernels_mixing_stack_{stamp}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {path}")
+        # Rewritten after every case: a time-boxed run keeps the cases it finished.
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":
