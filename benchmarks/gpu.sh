@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh verify|recheck|matrix|compiled|compiled-medium|grid-rotate|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -63,8 +63,14 @@ case "$topic" in
     STEP_S=290 run python3 benchmarks/model.py --cases medium:192,1536,12288 --paths compiled --compile-configs medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
     STEP_S=200 run python3 benchmarks/kernels.py --ops aggregate --per-op-timeout 190
     ;;
+  compiled-12k)  # the compiled medium model at 12,288 atoms (its own compile, ~3 min)
+    STEP_S=230 run python3 benchmarks/model.py --cases medium:12288 --paths compiled --compile-configs medium --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
+    ;;
   grid-rotate)  # issue #2's rotate_mix grid at E = 1M with torch.compile, one GPU's worth (~9 min)
     STEP_S=560 run python3 benchmarks/kernels.py --ops rotate_mix --per-op-timeout 550
+    ;;
+  grid-rotate-rest)  # the rotate_mix grid cases whose compiled reference hit the recompile limit on 2026-11-30 (~2.5 min)
+    STEP_S=200 run python3 benchmarks/kernels_rotate_mix.py --edges 1000000 --cases 128,3,1,1 128,3,1,2 128,3,2,1 128,3,2,2 256,2,2,1 256,2,2,2 256,3,2,1 256,3,2,2
     ;;
   grid-stack)  # issue #2's mixing-stack grid at E = 1M, both tiers, with torch.compile (~9 min)
     STEP_S=560 run python3 benchmarks/kernels.py --ops mixing_stack --per-op-timeout 550

@@ -232,6 +232,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    # A compiled reference past Dynamo's recompile limit must fail, not time eager code.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     torch.backends.cudnn.allow_tf32 = False
     # One dynamic-shape compilation per autograd mode serves both sizes (keeps the run short).
     args.compiled_reference = torch.compile(attention_aggregate_reference, dynamic=True)

@@ -128,6 +128,9 @@ def implementations(case: Case, with_compile: bool) -> dict[str, StackFn]:
         "eager_reference": reference,
     }
     if with_compile:
+        # Each case compiles afresh: the reference's code object would otherwise hit Dynamo's
+        # recompile limit after four cases and run eager under the "compiled" label.
+        torch._dynamo.reset()
         impls["compiled_reference"] = torch.compile(reference, dynamic=False)
     return impls
 
@@ -351,6 +354,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    # A compiled reference past Dynamo's recompile limit must fail, not time eager code.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     torch.backends.cudnn.allow_tf32 = False
 
     meta: dict[str, object] = {

@@ -101,6 +101,9 @@ def run_case(
         "eager": rotate_mix_reference,
     }
     if args.compile_reference and not args.compare_variants:
+        # Each case compiles afresh: the reference's code object would otherwise hit Dynamo's
+        # recompile limit after four cases and run eager under the "compiled" label.
+        torch._dynamo.reset()
         impls["compiled"] = torch.compile(rotate_mix_reference, dynamic=False)
     grad_u = torch.randn(n_focus, args.edges, n_reduced(lmax) * focus_dim, device="cuda")
 
@@ -232,6 +235,8 @@ def main() -> None:
     parser.add_argument("--small-degree", type=int, default=89)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    # A compiled reference past Dynamo's recompile limit must fail, not time eager code.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     torch.backends.cudnn.allow_tf32 = False
     if args.cases:
         cases = [tuple(int(v) for v in c.split(",")) for c in args.cases]

@@ -509,6 +509,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/model.py needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
+    # A compiled reference past Dynamo's recompile limit must fail, not time eager code.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     torch.backends.cudnn.allow_tf32 = False
     import triton
 
