@@ -55,7 +55,7 @@ case "$topic" in
     STEP_S=110 run python3 benchmarks/model.py --cases medium:192,1536,12288,98304 --paths reference --memory auto --no-agreement --repeats 2
     ;;
   compiled)  # what the seventh session left of issue #4 (~10 min): the replay's host time, medium exact at 98k + largest, the compiled small series
-    STEP_S=60 run python3 benchmarks/replay_host_probe.py --steps 300
+    STEP_S=150 run python3 benchmarks/replay_host_probe.py --steps 300
     STEP_S=200 run python3 benchmarks/model.py --cases medium:98304 --paths fused --memory auto --no-agreement --repeats 2 --find-max --max-atoms 400000
     STEP_S=300 run python3 benchmarks/model.py --cases small:192,1536,12288 --paths compiled --compile-configs small --compile-max-atoms 12288 --memory auto --no-agreement --repeats 2
     ;;
