@@ -305,7 +305,13 @@ def sweep(
     )
     scratch = Path(tempfile.mkdtemp()) / "table.json"
     os.environ["SO2_STACK_TABLE"] = str(scratch)
-    shapes = sorted({(c.lmax, c.focus_dim, c.n_focus) for c in cases})
+    # The table key has no focus count: one sweep per (lmax, Cf), at the fewest focus streams
+    # (the bar's F = 1), so an F = 2 case cannot overwrite the entry tuned for F = 1.
+    fewest: dict[tuple[int, int], int] = {}
+    for c in cases:
+        key = (c.lmax, c.focus_dim)
+        fewest[key] = min(fewest.get(key, c.n_focus), c.n_focus)
+    shapes = sorted((lmax, focus_dim, n_focus) for (lmax, focus_dim), n_focus in fewest.items())
     for lmax, focus_dim, n_focus in shapes:
         case = Case(f"sweep_l{lmax}_cf{focus_dim}", lmax, focus_dim, n_focus, n_edge)
         ops = make_operands(case, seed=1)
