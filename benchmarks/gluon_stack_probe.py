@@ -1,0 +1,723 @@
+"""Experiment (issue #2): a warp-specialised Gluon fp16x3 block GEMM for the mixing stack's
+forward, against the Triton descriptor kernel it was meant to replace.
+
+Result (H200, torch 2.11, Triton 3.6; ``results/gluon_stack_probe_20261130T105457Z.json``): the
+Gluon kernel is as accurate as the Triton one (identical errors vs float64, outputs equal or
+within 8e-8) but not faster at DeePMD's bar case: |m|=1 gated 5.28 vs 4.57 ms, m=0 gated 2.97
+vs 2.92, final |m|=1 4.08 vs 4.00, final m=0 2.52 vs 2.45 ms. It missed the 15 % bar, so it
+lives here as a reproducible experiment and nothing of it ships in ``so2kernels``.
+
+The kernel (``block_fwd_gluon_kernel``) has the operand contract of
+:func:`so2kernels.mixing_stack_kernels.block_fwd_desc_kernel`: the layer input ``u (F, E, ROW)``
+through a TMA descriptor over its ``(F·E, ROW)`` rows, the block weights through descriptors over
+the fp16 head and ``2^11``-scaled tail planes ``(NL·F·W, W)``; ``z_all (NG, F, E, ROW)``, ``sig
+(F, E, LG)``, ``alpha (E, F)`` and ``out`` ((F, E, ROW), or (E, F, ROW) for the final layer) as
+fp32 pointers with int64 element offsets. Schedule: one CTA per SM, persistent over the Triton
+kernel's flat tile order (focus, edge tile, column tile fastest); two consumer warpgroups take
+the CTA's tiles in turn ("ping-pong", one runs its epilogue while the other issues products),
+each with its own 4-stage shared-memory ring fed by a one-warp TMA producer (fp32 A box, fp16 B
+head and tail boxes per 32-wide K step) through ``ready``/``empty`` mbarriers. A consumer loads
+the fp32 A box into the wgmma register-operand layout, splits it into fp16 head/tail, and keeps
+two fp32 accumulators (``Ah·Bh`` and ``Ah·Bl + Al·Bh``). Registers: 168 at launch (12 warps),
+240 per consumer after ``setmaxnreg``, 24 per producer; offline sm_90 spills only in the gated
+|m|=1 epilogue (56 B at the bar case, 160 B at lmax 3 / Cf 64 and Cf 96); 192 KiB of shared
+memory (``--offline`` prints these for Triton 3.6 and 3.7 alike).
+
+What a next attempt should change (not measured): each K step is retired (``wait(0)``) before
+the next A box is split, because wgmma reads its register operand asynchronously and the
+compiler reuses those registers; A through shared memory (a converter partition writing the
+fp16 planes) would let steps overlap. The epilogue reads and writes global memory straight from
+the accumulator layout (32-byte segments); staging it through shared memory with TMA stores is
+the other obvious lever.
+
+The probe: for each forward block GEMM (gated layer: m=0 and |m|=1; final layer: both, with
+alpha), on the same operands, it times both kernels at the bar case (E = 1,051,392, lmax 2,
+Cf 128, F 1), compares both with a float64 evaluation on sampled edges (normwise error over the
+block's columns, the last partial edge tile always included) and with each other, then repeats
+the comparison (untimed) at odd sizes: E not a multiple of the tile, F = 2, lmax 1 and 3, Cf 64.
+One JSON line per row; ``results/gluon_stack_probe_<UTC>.json`` is rewritten after each row. A
+watchdog ends the process if a kernel hangs (a barrier deadlock would hold the GPU)::
+
+    PYTHONPATH=$PWD python3 benchmarks/gluon_stack_probe.py [--skip-bar] [--skip-odd]
+    PYTHONPATH=$PWD python3 benchmarks/gluon_stack_probe.py --offline   # sm_90 compile, no GPU
+"""
+
+# Gluon kernels take untyped arguments and @gluon.jit is an untyped decorator.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import functools
+import json
+import math
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from benchmarks.common import time_ms, write_results
+from so2kernels._dispatch import UnsupportedInputError
+from so2kernels._layout import block_widths, row_width
+from so2kernels.mixing_stack_kernels import (
+    StackPrecision,
+    block_fwd_desc_kernel,
+    desc_block_k,
+    persistent_grid,
+    row_descriptor,
+    split_fp16x3,
+    tile_config,
+    weight_descriptors,
+)
+
+
+class GluonTile:
+    """Launch shape of :func:`block_fwd_gluon_kernel` (one consumer warpgroup's tile)."""
+
+    def __init__(self, block_m: int, block_n: int, block_k: int, stages: int) -> None:
+        self.block_m, self.block_n, self.block_k, self.stages = block_m, block_n, block_k, stages
+
+    def k_step(self, width: int) -> int:
+        """K step over a ``width``-wide block: the tile's when it divides the width (a step past
+        the width would read the next weight matrix's rows), else 32 (every width is a multiple
+        of 32)."""
+        return self.block_k if width % self.block_k == 0 else 32
+
+
+# 64 edges × 128 columns per consumer: two fp32 accumulators are 128 registers a thread, which
+# leaves room in a 240-register consumer for the epilogue. 32-wide K steps keep the fp32 A box at
+# one 128-byte swizzle row; 4 stages per consumer ring, 2 rings: 192 KiB of shared memory.
+GLUON_TILE = GluonTile(64, 128, 32, 4)
+
+_CONSUMER_REGS = gl.constexpr(240)
+_PRODUCER_REGS = gl.constexpr(24)
+MAX_REGISTERS = 168
+"""Per-thread register cap of the launch: 12 warps (two consumer warpgroups and the producers'
+warpgroup) at 168 registers fill the 64K register file; the producers then hand theirs to the
+consumers (24 → 240)."""
+SHARED_MEMORY_LIMIT = 232_448
+"""Shared memory one CTA may use on sm_90 (227 KiB)."""
+
+
+def hopper_available() -> bool:
+    """Whether this process sees a Hopper (sm_90) GPU, the only target of the Gluon kernel."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+# Gluon: tile coordinates, split/merge, partitions
+
+
+@gluon.jit
+def _tile_origin(tile, n_edge, N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Focus, first edge and first output column of flat tile ``tile`` (column tiles fastest)."""
+    col_tiles: gl.constexpr = (N - 1) // BLOCK_N + 1
+    per_focus = gl.cdiv(n_edge, BLOCK_M) * col_tiles
+    focus = tile // per_focus
+    local = tile - focus * per_focus
+    return focus, (local // col_tiles) * BLOCK_M, (local % col_tiles) * BLOCK_N
+
+
+@gluon.jit
+def _split_fp16x3(x):
+    """fp16 head and ``2^11``-scaled fp16 tail of ``2^-4·x`` (the Triton kernels' split)."""
+    scaled = x * 0.0625
+    head = scaled.to(gl.float16)
+    tail = ((scaled - head.to(gl.float32)) * 2048.0).to(gl.float16)
+    return head, tail
+
+
+@gluon.jit
+def _producer(
+    descs, smem, sizes, first_tile, tile_stride, ring: gl.constexpr, COL0: gl.constexpr,
+    WIDTH: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """One warp: TMA loads of every K step of ring ``ring``'s tiles into its stages."""
+    u_desc, w_desc, w_lo_desc = descs
+    a_bufs, b_bufs, b_lo_bufs, ready, empty = smem
+    n_edge, n_focus, layer = sizes
+    BLOCK_M: gl.constexpr = u_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = u_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    K_STEPS: gl.constexpr = WIDTH // BLOCK_K
+    STEP_BYTES: gl.constexpr = u_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+    n_tiles = n_focus * gl.cdiv(n_edge, BLOCK_M) * ((WIDTH - 1) // BLOCK_N + 1)
+    step = 0
+    for tile in range(first_tile, n_tiles, tile_stride):
+        focus, first, n0 = _tile_origin(tile, n_edge, WIDTH, BLOCK_M, BLOCK_N)
+        a_row = focus * n_edge + first
+        b_row = (layer * n_focus + focus) * WIDTH
+        for k in range(K_STEPS):
+            slot = ring * STAGES + step % STAGES
+            # A slot starts free: the first wait on `empty` is for the phase before phase 0.
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, STEP_BYTES)
+            tma.async_copy_global_to_shared(
+                u_desc, [a_row, COL0 + k * BLOCK_K], bar, a_bufs.index(slot)
+            )
+            tma.async_copy_global_to_shared(
+                w_desc, [b_row + k * BLOCK_K, n0], bar, b_bufs.index(slot)
+            )
+            tma.async_copy_global_to_shared(
+                w_lo_desc, [b_row + k * BLOCK_K, n0], bar, b_lo_bufs.index(slot)
+            )
+            step += 1
+
+
+@gluon.jit
+def _tile_product(
+    a_bufs, b_bufs, b_lo_bufs, ready, empty, step, ring: gl.constexpr, acc_layout: gl.constexpr,
+    K_STEPS: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Compensated product of one tile from the ring, starting at ring step ``step``; returns the
+    merged fp32 result (acc layout).
+
+    Each step's wgmmas are retired before the next step's A box is split: wgmma reads its
+    register operand asynchronously, and the compiler may place the next split in the same
+    registers (in flight, that is undefined behaviour). The tensor pipe's short gap per step is
+    filled by the other consumer warpgroup's products."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    hi = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    lo = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    for _k in range(K_STEPS):
+        slot = ring * STAGES + step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        a_hi, a_lo = _split_fp16x3(a_bufs.index(slot).load(a_layout))
+        b_hi = b_bufs.index(slot)
+        hi = warpgroup_mma(a_hi, b_hi, hi, is_async=True)
+        lo = warpgroup_mma(a_hi, b_lo_bufs.index(slot), lo, is_async=True)
+        lo = warpgroup_mma(a_lo, b_hi, lo, is_async=True)
+        hi, lo, a_hi, a_lo = warpgroup_mma_wait(num_outstanding=0, deps=(hi, lo, a_hi, a_lo))
+        mbarrier.arrive(empty.index(slot), count=1)
+        step += 1
+    return (hi + lo * (1.0 / 2048.0)) * 16.0
+
+
+@gluon.jit
+def _epilogue(
+    acc, focus, first, n0, n_edge, n_focus, layer, u_ptr, z_ptr, sig_ptr, alpha_ptr, out_ptr,
+    acc_layout: gl.constexpr, L: gl.constexpr, FD: gl.constexpr, M1_BLOCK: gl.constexpr,
+    FINAL: gl.constexpr, APPLY_ALPHA: gl.constexpr,
+):  # fmt: skip
+    """The layer's epilogue on one tile, straight from the accumulator layout (each thread holds
+    pairs of adjacent columns, so every warp store fills whole 32-byte sectors)."""
+    GWD: gl.constexpr = L * FD
+    ROW: gl.constexpr = FD + 3 * GWD
+    M0: gl.constexpr = FD + GWD
+    WIDTH: gl.constexpr = 2 * GWD if M1_BLOCK else M0
+    COL0: gl.constexpr = M0 if M1_BLOCK else 0
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    rows = first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    rows64 = rows.to(gl.int64)
+    focus64 = focus.to(gl.int64)
+    row_ok = rows < n_edge
+    mask = row_ok[:, None] & (cols < WIDTH)[None, :]
+    act_rows = (focus64 * n_edge + rows64) * ROW + COL0
+    u_at = act_rows[:, None] + cols[None, :]
+    if FINAL:
+        result = gl.load(u_ptr + u_at, mask=mask, other=0.0) + acc
+        if APPLY_ALPHA:
+            a = gl.load(alpha_ptr + rows64 * n_focus + focus64, mask=row_ok, other=0.0)
+            result = result * a[:, None]
+        out_rows = (rows64 * n_focus + focus64) * ROW + COL0
+        gl.store(out_ptr + out_rows[:, None] + cols[None, :], result, mask=mask)
+    else:
+        z_rows = ((layer * n_focus + focus64) * n_edge + rows64) * ROW + COL0
+        gl.store(z_ptr + z_rows[:, None] + cols[None, :], acc, mask=mask)
+        if M1_BLOCK:
+            sig_rows = (focus64 * n_edge + rows64) * GWD
+            gate = gl.load(
+                sig_ptr + sig_rows[:, None] + (cols % GWD)[None, :], mask=mask, other=0.0
+            )
+            value = acc * gate + gl.load(u_ptr + u_at, mask=mask, other=0.0)
+            gl.store(out_ptr + u_at, value, mask=mask)
+        else:
+            # Scalar rows get SiLU here; the gate kernel fills the l>=1 m=0 rows.
+            scalar = mask & (cols < FD)[None, :]
+            silu = acc / (1.0 + gl.exp(-acc))
+            gl.store(
+                out_ptr + u_at, gl.load(u_ptr + u_at, mask=scalar, other=0.0) + silu, mask=scalar
+            )
+
+
+@gluon.jit
+def _consumer(
+    smem, pointers, sizes, first_tile, tile_stride, ring: gl.constexpr, L: gl.constexpr,
+    FD: gl.constexpr, M1_BLOCK: gl.constexpr, FINAL: gl.constexpr, APPLY_ALPHA: gl.constexpr,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup: products and epilogue of every other tile (ring ``ring``) of this CTA."""
+    a_bufs, b_bufs, b_lo_bufs, ready, empty = smem
+    u_ptr, z_ptr, sig_ptr, alpha_ptr, out_ptr = pointers
+    n_edge, n_focus, layer = sizes
+    M0: gl.constexpr = FD + L * FD
+    WIDTH: gl.constexpr = 2 * L * FD if M1_BLOCK else M0
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    K_STEPS: gl.constexpr = WIDTH // BLOCK_K
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    n_tiles = n_focus * gl.cdiv(n_edge, BLOCK_M) * ((WIDTH - 1) // BLOCK_N + 1)
+    step = 0
+    for tile in range(first_tile, n_tiles, tile_stride):
+        focus, first, n0 = _tile_origin(tile, n_edge, WIDTH, BLOCK_M, BLOCK_N)
+        acc = _tile_product(
+            a_bufs, b_bufs, b_lo_bufs, ready, empty, step, ring, acc_layout, K_STEPS, STAGES
+        )
+        step += K_STEPS
+        _epilogue(
+            acc, focus, first, n0, n_edge, n_focus, layer, u_ptr, z_ptr, sig_ptr, alpha_ptr,
+            out_ptr, acc_layout, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA,
+        )  # fmt: skip
+
+
+@gluon.jit
+def block_fwd_gluon_kernel(
+    u_desc,  # fp32 (F·E, ROW) over the layer input, box (BLOCK_M, BLOCK_K)
+    w_desc,  # fp16 (NL·F·W, W) over the weight heads, box (BLOCK_K, BLOCK_N)
+    w_lo_desc,  # the same over the weight tails
+    u_ptr,  # (F, E, ROW) layer input (the residual)
+    z_ptr,  # (NG, F, E, ROW) pre-activation stack (gated layers)
+    sig_ptr,  # (F, E, GWD) gates of this layer (gated layers, |m|=1 block)
+    alpha_ptr,  # (E, F) competition weight (FINAL with APPLY_ALPHA)
+    out_ptr,  # (F, E, ROW) next activation; (E, F, ROW) edge-major when FINAL
+    n_edge,
+    n_focus,
+    layer,
+    L: gl.constexpr,
+    FD: gl.constexpr,
+    M1_BLOCK: gl.constexpr,
+    FINAL: gl.constexpr,
+    APPLY_ALPHA: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Fast-tier block GEMM of one layer with its epilogue (semantics of
+    :func:`so2kernels.mixing_stack_kernels.block_fwd_kernel`), warp-specialised: this
+    warpgroup and one worker warpgroup consume alternate tiles, two one-warp workers load them."""
+    M0: gl.constexpr = FD + L * FD
+    WIDTH: gl.constexpr = 2 * L * FD if M1_BLOCK else M0
+    COL0: gl.constexpr = M0 if M1_BLOCK else 0
+    RINGS: gl.constexpr = 2
+    BLOCK_M: gl.constexpr = u_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = u_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    SLOTS: gl.constexpr = RINGS * STAGES
+    a_bufs = gl.allocate_shared_memory(u_desc.dtype, [SLOTS, BLOCK_M, BLOCK_K], u_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLOTS, BLOCK_K, BLOCK_N], w_desc.layout)
+    b_lo_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLOTS, BLOCK_K, BLOCK_N], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    stride = RINGS * n_programs
+    smem = (a_bufs, b_bufs, b_lo_bufs, ready, empty)
+    pointers = (u_ptr, z_ptr, sig_ptr, alpha_ptr, out_ptr)
+    sizes = (n_edge, n_focus, layer)
+    descs = (u_desc, w_desc, w_lo_desc)
+    other = pid + n_programs  # the second consumer's first tile
+    gl.warp_specialize(
+        [
+            (_consumer, (smem, pointers, sizes, pid, stride, 0, L, FD, M1_BLOCK, FINAL,
+                         APPLY_ALPHA, STAGES)),
+            (_consumer, (smem, pointers, sizes, other, stride, 1, L, FD, M1_BLOCK, FINAL,
+                         APPLY_ALPHA, STAGES)),
+            (_producer, (descs, smem, sizes, pid, stride, 0, COL0, WIDTH, STAGES)),
+            (_producer, (descs, smem, sizes, other, stride, 1, COL0, WIDTH, STAGES)),
+        ],
+        [4, 1, 1],
+        [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS],
+    )  # fmt: skip
+
+
+# Launcher of the Gluon kernel
+
+
+def _nvmma(block: list[int], dtype: gl.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def _aligned(t: Tensor) -> Tensor:
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _row_descriptor(rows: Tensor, block_m: int, block_k: int) -> TensorDescriptor:
+    flat = _aligned(rows).view(-1, rows.shape[-1])
+    if flat.shape[0] >= 2**31:
+        raise UnsupportedInputError(
+            f"so2kernels: {flat.shape[0]} activation rows exceed the int32 coordinates of a "
+            "tensor descriptor"
+        )
+    block = [block_m, block_k]
+    return TensorDescriptor(
+        flat, list(flat.shape), list(flat.stride()), block, _nvmma(block, gl.float32)
+    )
+
+
+def _weight_descriptor(w: Tensor, block_k: int, block_n: int) -> TensorDescriptor:
+    flat = _aligned(w).view(-1, w.shape[-1])
+    block = [block_k, block_n]
+    return TensorDescriptor(
+        flat, list(flat.shape), list(flat.stride()), block, _nvmma(block, gl.float16)
+    )
+
+
+def block_fwd_gluon(
+    src: Tensor,
+    weights: tuple[Tensor, Tensor],
+    z_all: Tensor,
+    sig: Tensor,
+    alpha: Tensor,
+    out: Tensor,
+    layer: int,
+    lmax: int,
+    focus_dim: int,
+    *,
+    m1_block: bool,
+    final: bool,
+    apply_alpha: bool,
+    tile: GluonTile = GLUON_TILE,
+) -> None:
+    """Launch :func:`block_fwd_gluon_kernel` for ``layer``'s m=0 (or |m|=1 when ``m1_block``)
+    block: ``src (F, E, ROW)`` fp32, ``weights`` the fp16 (head, tail) planes ``(NL, F, W, W)``,
+    the remaining tensors as in the Triton launcher."""
+    n_focus, n_edge, _row = src.shape
+    width = weights[0].shape[-1]
+    block_k = tile.k_step(width)
+    col_tiles = -(-width // tile.block_n)
+    n_tiles = n_focus * -(-n_edge // tile.block_m) * col_tiles
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
+    grid = (max(1, min(sms, n_tiles)),)
+    block_fwd_gluon_kernel[grid](
+        _row_descriptor(src, tile.block_m, block_k),
+        _weight_descriptor(weights[0], block_k, tile.block_n),
+        _weight_descriptor(weights[1], block_k, tile.block_n),
+        src, z_all, sig, alpha, out, n_edge, n_focus, layer,
+        L=lmax, FD=focus_dim, M1_BLOCK=m1_block, FINAL=final, APPLY_ALPHA=apply_alpha,
+        STAGES=tile.stages, num_warps=4, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+
+
+# Offline sm_90 compile (no GPU): shared memory and ptxas's register/spill report per variant
+
+OFFLINE_REGIMES = ((2, 128), (1, 64), (3, 64), (2, 96))
+OFFLINE_FLAGS = (
+    (True, False, False),
+    (False, False, False),
+    (True, True, True),
+    (False, True, True),
+)
+"""(M1_BLOCK, FINAL, APPLY_ALPHA) of the four forward block GEMMs."""
+
+
+def compile_offline(lmax: int, focus_dim: int, flags: tuple[bool, bool, bool]) -> dict[str, object]:
+    """Compile one variant for sm_90 with the local Triton (run without TRITON_INTERPRET)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    m1_block, final, apply_alpha = flags
+    tile = GLUON_TILE
+    width = 2 * lmax * focus_dim if m1_block else (lmax + 1) * focus_dim
+    block_k = tile.k_step(width)
+    u_block, w_block = [tile.block_m, block_k], [block_k, tile.block_n]
+    u_layout = gl.NVMMASharedLayout.get_default_for(u_block, gl.float32)
+    w_layout = gl.NVMMASharedLayout.get_default_for(w_block, gl.float16)
+    w_type = f"tensordesc<fp16[{block_k},{tile.block_n}],{w_layout!r}>"
+    consts = {
+        "L": lmax, "FD": focus_dim, "M1_BLOCK": m1_block, "FINAL": final,
+        "APPLY_ALPHA": apply_alpha, "STAGES": tile.stages,
+    }  # fmt: skip
+    signature = {
+        "u_desc": f"tensordesc<fp32[{tile.block_m},{block_k}],{u_layout!r}>",
+        "w_desc": w_type,
+        "w_lo_desc": w_type,
+        **dict.fromkeys(("u_ptr", "z_ptr", "sig_ptr", "alpha_ptr", "out_ptr"), "*fp32"),
+        **dict.fromkeys(("n_edge", "n_focus", "layer"), "i32"),
+        **dict.fromkeys(consts, "constexpr"),
+    }
+    source = GluonASTSource(fn=block_fwd_gluon_kernel, signature=signature, constexprs=consts)
+    options = {"num_warps": 4, "maxnreg": MAX_REGISTERS}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run(
+            [str(ptxas), "-v", "--gpu-name=sm_90a", str(ptx), "-o", os.devnull],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    reallocations = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])
+    registers = re.search(r"Used (\d+) registers", report)
+    return {
+        "lmax": lmax, "focus_dim": focus_dim, "m1_block": m1_block, "final": final,
+        "shared_bytes": compiled.metadata.shared,
+        "shared_fits_sm90": compiled.metadata.shared <= SHARED_MEMORY_LIMIT,
+        "launch_registers": int(registers.group(1)) if registers else None,
+        "spill_store_bytes": int(spills.group(1)) if spills else None,
+        "setmaxnreg": sorted({int(n) for n in reallocations}),
+    }  # fmt: skip
+
+
+# The probe
+
+BAR_EDGES = 1_051_392
+HANG_LIMIT_S = 120
+SAMPLED_EDGES = 4096
+
+
+@dataclass(frozen=True)
+class Shape:
+    lmax: int
+    focus_dim: int
+    n_focus: int
+    n_edge: int
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One block GEMM: which block, and the gated or final layer's epilogue."""
+
+    name: str
+    m1_block: bool
+    final: bool
+
+
+VARIANTS = (
+    Variant("gated_m1", True, False),
+    Variant("gated_m0", False, False),
+    Variant("final_m1_alpha", True, True),
+    Variant("final_m0_alpha", False, True),
+)
+N_LAYERS = 3  # layers 0, 1 gated; layer 2 final
+
+
+@dataclass
+class Operands:
+    u: Tensor  # (F, E, ROW)
+    w_heads: tuple[Tensor, Tensor]  # fp16 planes (NL, F, M0, M0), (NL, F, M1, M1)
+    w_tails: tuple[Tensor, Tensor]
+    w32: tuple[Tensor, Tensor]  # the fp32 weights
+    sig: Tensor  # (F, E, LG)
+    alpha: Tensor  # (E, F)
+
+
+def make_operands(shape: Shape, seed: int) -> Operands:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    m0, m1, gate = block_widths(shape.lmax, shape.focus_dim)
+    f, e = shape.n_focus, shape.n_edge
+
+    def randn(*size: int) -> Tensor:
+        return torch.randn(*size, device="cuda", generator=gen)
+
+    u = randn(f, e, m0 + m1)
+    w0 = randn(N_LAYERS, f, m0, m0) / math.sqrt(m0)
+    w1 = randn(N_LAYERS, f, m1, m1) / math.sqrt(m1)
+    planes0, planes1 = split_fp16x3(w0), split_fp16x3(w1)
+    sig = torch.sigmoid(randn(f, e, gate))
+    alpha = 0.98 * torch.softmax(randn(e, f), dim=1) + 0.02 / f
+    return Operands(u, (planes0[0], planes1[0]), (planes0[1], planes1[1]), (w0, w1), sig, alpha)
+
+
+@dataclass
+class Outputs:
+    z_all: Tensor  # (NG, F, E, ROW)
+    out: Tensor  # (F, E, ROW), or (E, F, ROW) for the final layer
+
+
+def fresh_outputs(shape: Shape, final: bool) -> Outputs:
+    f, e = shape.n_focus, shape.n_edge
+    row = row_width(shape.lmax, shape.focus_dim)
+    z_all = torch.full((N_LAYERS - 1, f, e, row), float("nan"), device="cuda")
+    out = torch.full((e, f, row) if final else (f, e, row), float("nan"), device="cuda")
+    return Outputs(z_all, out)
+
+
+def layer_of(variant: Variant) -> int:
+    return N_LAYERS - 1 if variant.final else 1
+
+
+def launch_triton(shape: Shape, ops: Operands, variant: Variant, outs: Outputs) -> None:
+    """The shipped fast-tier launch of one block (as in so2kernels.mixing_stack)."""
+    m0, m1, _gate = block_widths(shape.lmax, shape.focus_dim)
+    width = m1 if variant.m1_block else m0
+    index = 1 if variant.m1_block else 0
+    tile = tile_config("fwd", shape.focus_dim, shape.lmax, StackPrecision.FAST, ops.u.device)
+    block_k = desc_block_k(width, tile)
+    n_tiles = (
+        triton.cdiv(shape.n_edge, tile.block_m) * triton.cdiv(width, tile.block_n) * shape.n_focus
+    )
+    block_fwd_desc_kernel[persistent_grid(n_tiles, tile, ops.u.device)](
+        row_descriptor(ops.u, tile.block_m, block_k),
+        *weight_descriptors((ops.w_heads[index], ops.w_tails[index]), block_k, tile.block_n),
+        ops.u, outs.z_all, ops.sig, ops.alpha, outs.out, shape.n_edge, shape.n_focus,
+        layer_of(variant), L=shape.lmax, FD=shape.focus_dim, M1_BLOCK=variant.m1_block,
+        FINAL=variant.final, APPLY_ALPHA=variant.final, BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def launch_gluon(shape: Shape, ops: Operands, variant: Variant, outs: Outputs) -> None:
+    index = 1 if variant.m1_block else 0
+    block_fwd_gluon(
+        ops.u, (ops.w_heads[index], ops.w_tails[index]), outs.z_all, ops.sig, ops.alpha,
+        outs.out, layer_of(variant), shape.lmax, shape.focus_dim, m1_block=variant.m1_block,
+        final=variant.final, apply_alpha=variant.final,
+    )  # fmt: skip
+
+
+def reference_block(
+    shape: Shape, ops: Operands, variant: Variant, edges: Tensor
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """float64 (z, out, out column mask) of the block on ``edges``: z ``(F, S, W)`` (None for
+    the final layer), out ``(F, S, W)`` (focus-major for the final layer too)."""
+    m0, _m1, gate = block_widths(shape.lmax, shape.focus_dim)
+    col0 = m0 if variant.m1_block else 0
+    index = 1 if variant.m1_block else 0
+    w = ops.w32[index][layer_of(variant)].double()  # (F, W, W)
+    width = w.shape[-1]
+    u_blk = ops.u[:, edges, col0 : col0 + width].double()
+    z = torch.bmm(u_blk, w)
+    written = torch.ones(width, dtype=torch.bool, device=z.device)
+    if variant.final:
+        alpha = ops.alpha[edges].double().t()[:, :, None]
+        return None, (u_blk + z) * alpha, written
+    if variant.m1_block:
+        gates = ops.sig[:, edges].double().repeat(1, 1, width // gate)
+        return z, u_blk + z * gates, written
+    written = torch.arange(width, device=z.device) < shape.focus_dim
+    return z, u_blk + z * torch.sigmoid(z), written
+
+
+def _rel(x: Tensor, ref: Tensor) -> float:
+    scale = ref.abs().max().item()
+    return float((x.double() - ref).abs().max().item() / scale) if scale else 0.0
+
+
+def block_views(
+    shape: Shape, variant: Variant, outs: Outputs, edges: Tensor
+) -> tuple[Tensor | None, Tensor]:
+    """The kernel's z and out on the block's columns at ``edges``, focus-major ``(F, S, W)``."""
+    m0, m1, _gate = block_widths(shape.lmax, shape.focus_dim)
+    col0, width = (m0, m1) if variant.m1_block else (0, m0)
+    cols = slice(col0, col0 + width)
+    if variant.final:
+        return None, outs.out[edges, :, cols].transpose(0, 1)
+    return outs.z_all[layer_of(variant)][:, edges, cols], outs.out[:, edges, cols]
+
+
+def compare(
+    shape: Shape, ops: Operands, variant: Variant, results: dict[str, Outputs], edges: Tensor
+) -> dict[str, float]:
+    z_ref, out_ref, written = reference_block(shape, ops, variant, edges)
+    errors: dict[str, float] = {}
+    views = {name: block_views(shape, variant, outs, edges) for name, outs in results.items()}
+    for name, (z, out) in views.items():
+        errors[f"{name}_out_err"] = _rel(out[..., written], out_ref[..., written])
+        if z is not None and z_ref is not None:
+            errors[f"{name}_z_err"] = _rel(z, z_ref)
+        errors[f"{name}_nan"] = float(not bool(torch.isfinite(out[..., written]).all()))
+    (_, out_t), (_, out_g) = views["triton"], views["gluon"]
+    scale = out_t[..., written].abs().max().item()
+    diff = (out_g[..., written] - out_t[..., written]).abs().max().item()
+    errors["gluon_vs_triton_out"] = diff / scale if scale else 0.0
+    return errors
+
+
+Launcher = Callable[[Shape, Operands, Variant, Outputs], None]
+LAUNCHERS: dict[str, Launcher] = {"triton": launch_triton, "gluon": launch_gluon}
+
+
+def run_row(shape: Shape, variant: Variant, timed: bool, seed: int) -> dict[str, object]:
+    ops = make_operands(shape, seed)
+    results: dict[str, Outputs] = {}
+    row: dict[str, object] = {"variant": variant.name, **shape.__dict__}
+    for name, launch in LAUNCHERS.items():
+        faulthandler.dump_traceback_later(HANG_LIMIT_S, exit=True)
+        outs = fresh_outputs(shape, variant.final)
+        launch(shape, ops, variant, outs)
+        torch.cuda.synchronize()
+        if timed:
+            row[f"{name}_ms"] = time_ms(functools.partial(launch, shape, ops, variant, outs), 5, 30)
+        faulthandler.cancel_dump_traceback_later()
+        results[name] = outs
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    n_sample = min(SAMPLED_EDGES, shape.n_edge)
+    edges = torch.randperm(shape.n_edge, device="cuda", generator=gen)[:n_sample]
+    # The last (partial) edge tile is where masking mistakes show: always check it.
+    edges = torch.cat((edges, torch.arange(max(0, shape.n_edge - 70), shape.n_edge, device="cuda")))
+    row.update(compare(shape, ops, variant, results, edges))
+    if timed:
+        row["speedup"] = float(row["triton_ms"]) / float(row["gluon_ms"])  # type: ignore[arg-type]
+    return row
+
+
+ODD_CASES = (
+    (Shape(2, 128, 1, 1000), VARIANTS),
+    (Shape(1, 64, 2, 777), (VARIANTS[0], VARIANTS[3])),
+    (Shape(3, 64, 1, 515), (VARIANTS[1], VARIANTS[2])),
+    (Shape(1, 128, 2, 131), (VARIANTS[0], VARIANTS[1])),
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-bar", action="store_true")
+    parser.add_argument("--skip-odd", action="store_true")
+    parser.add_argument("--offline", action="store_true", help="compile for sm_90 only (no GPU)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if args.offline:
+        for lmax, focus_dim in OFFLINE_REGIMES:
+            for flags in OFFLINE_FLAGS:
+                print(json.dumps(compile_offline(lmax, focus_dim, flags)), flush=True)
+        return
+    if not hopper_available():
+        raise SystemExit("gluon_stack_probe: needs a Hopper (sm_90) GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows: list[dict[str, object]] = []
+    path: Path | None = None
+    plan: list[tuple[Shape, Variant, bool]] = []
+    if not args.skip_bar:
+        plan += [(Shape(2, 128, 1, BAR_EDGES), v, True) for v in VARIANTS]
+    if not args.skip_odd:
+        plan += [(shape, v, False) for shape, variants in ODD_CASES for v in variants]
+    for i, (shape, variant, timed) in enumerate(plan):
+        try:
+            row = run_row(shape, variant, timed, seed=i)
+        except Exception as exc:  # a failing variant is a result, not the end
+            faulthandler.cancel_dump_traceback_later()
+            row = {"variant": variant.name, **shape.__dict__, "error": repr(exc)[:2000]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        path = write_results(args.out, "gluon_stack_probe", rows, path)
+
+
+if __name__ == "__main__":
+    main()
