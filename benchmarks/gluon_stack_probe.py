@@ -1,44 +1,59 @@
-"""Experiment (issue #2): a warp-specialised Gluon fp16x3 block GEMM for the mixing stack's
-forward, against the Triton descriptor kernel it was meant to replace.
+"""Experiment (issue #2): warp-specialised Gluon fp16x3 block GEMMs vs the Triton kernel.
 
-Result (H200, torch 2.11, Triton 3.6; ``results/gluon_stack_probe_20261130T105457Z.json``): the
-Gluon kernel is as accurate as the Triton one (identical errors vs float64, outputs equal or
-within 8e-8) but not faster at DeePMD's bar case: |m|=1 gated 5.28 vs 4.57 ms, m=0 gated 2.97
-vs 2.92, final |m|=1 4.08 vs 4.00, final m=0 2.52 vs 2.45 ms. It missed the 15 % bar, so it
-lives here as a reproducible experiment and nothing of it ships in ``so2kernels``.
+Warp-specialised Gluon versions of the mixing stack's forward block GEMM, against the Triton
+descriptor kernel they are meant to replace.
 
-The kernel (``block_fwd_gluon_kernel``) has the operand contract of
-:func:`so2kernels.mixing_stack_kernels.block_fwd_desc_kernel`: the layer input ``u (F, E, ROW)``
-through a TMA descriptor over its ``(F·E, ROW)`` rows, the block weights through descriptors over
-the fp16 head and ``2^11``-scaled tail planes ``(NL·F·W, W)``; ``z_all (NG, F, E, ROW)``, ``sig
-(F, E, LG)``, ``alpha (E, F)`` and ``out`` ((F, E, ROW), or (E, F, ROW) for the final layer) as
-fp32 pointers with int64 element offsets. Schedule: one CTA per SM, persistent over the Triton
-kernel's flat tile order (focus, edge tile, column tile fastest); two consumer warpgroups take
-the CTA's tiles in turn ("ping-pong", one runs its epilogue while the other issues products),
-each with its own 4-stage shared-memory ring fed by a one-warp TMA producer (fp32 A box, fp16 B
-head and tail boxes per 32-wide K step) through ``ready``/``empty`` mbarriers. A consumer loads
-the fp32 A box into the wgmma register-operand layout, splits it into fp16 head/tail, and keeps
-two fp32 accumulators (``Ah·Bh`` and ``Ah·Bl + Al·Bh``). Registers: 168 at launch (12 warps),
-240 per consumer after ``setmaxnreg``, 24 per producer; offline sm_90 spills only in the gated
-|m|=1 epilogue (56 B at the bar case, 160 B at lmax 3 / Cf 64 and Cf 96); 192 KiB of shared
-memory (``--offline`` prints these for Triton 3.6 and 3.7 alike).
+Three variants of one kernel (``block_fwd_gluon_kernel``, picked by ``GLUON_V1/V2/V3``):
 
-What a next attempt should change (not measured): each K step is retired (``wait(0)``) before
-the next A box is split, because wgmma reads its register operand asynchronously and the
-compiler reuses those registers; A through shared memory (a converter partition writing the
-fp16 planes) would let steps overlap. The epilogue reads and writes global memory straight from
-the accumulator layout (32-byte segments); staging it through shared memory with TMA stores is
-the other obvious lever.
+* v1 (``gluon``): H200 result (torch 2.11, Triton 3.6;
+  ``results/gluon_stack_probe_20261130T105457Z.json``): as accurate as the Triton kernel
+  (identical errors vs float64, outputs equal or within 8e-8) but not faster at DeePMD's bar
+  case: |m|=1 gated 5.28 vs 4.57 ms, m=0 gated 2.97 vs 2.92, final |m|=1 4.08 vs 4.00, final
+  m=0 2.52 vs 2.45 ms. Each K step is retired (``wait(0)``) before the next A box is split,
+  because wgmma reads its register operand asynchronously.
+* v2 (``gluon_v2``): v1 with A through shared memory. The consumer splits the fp32 A box into
+  fp16 head/tail planes in a double-buffered staging area (NVMMA layout), so every wgmma reads
+  both operands from shared memory and one step's three products stay in flight
+  (``wait(3)``) while the next box is split; a ring slot is released one step later.
+* v3 (``gluon_v3``): v2's product, cooperative instead of ping-pong: both consumers take the
+  same 128-edge tile (64 rows each) from one 6-stage ring and one producer, so each B box
+  (fp16 head + tail: as many bytes as fp32) serves 128 edges instead of 64. Rationale (not
+  measured): at 64 × 128 tiles the L2→SM traffic of the gated |m|=1 block is ~25.8 GB (B 2/3
+  of it), 5.6 TB/s at the Triton kernel's 4.57 ms, i.e. L2 bandwidth rather than the tensor
+  pipe may be the limit; 128-edge tiles cut it to ~17.2 GB. The price: both consumers run
+  their epilogues at the same time (the producer keeps prefetching).
+
+Common contract: that of :func:`so2kernels.mixing_stack_kernels.block_fwd_desc_kernel`: the
+layer input ``u (F, E, ROW)`` through a TMA descriptor over its ``(F·E, ROW)`` rows, the block
+weights through descriptors over the fp16 head and ``2^11``-scaled tail planes ``(NL·F·W,
+W)``; ``z_all (NG, F, E, ROW)``, ``sig (F, E, LG)``, ``alpha (E, F)`` and ``out`` ((F, E,
+ROW), or (E, F, ROW) for the final layer) as fp32 pointers with int64 element offsets.
+Schedule: one CTA per SM, persistent over the Triton kernel's flat tile order (focus, edge
+tile, column tile fastest); one-warp TMA producers (fp32 A box, fp16 B head and tail boxes per
+32-wide K step) feed shared-memory rings through ``ready``/``empty`` mbarriers; each consumer
+warpgroup keeps two fp32 accumulators (``Ah·Bh`` and ``Ah·Bl + Al·Bh``) over 64 edges × 128
+columns and runs the layer's epilogue straight from the accumulator layout. Registers: 168 at
+launch, 240 per consumer after ``setmaxnreg``, 24 per producer. Offline sm_90 (``--offline``;
+Triton 3.6.0 and 3.7.1 alike unless noted): shared memory v1 196,920 B, v2 229,736 B, v3
+229,688 B (limit 232,448); spills only in the gated |m|=1 epilogue (the K loops are clean):
+bar case v1 56 B, v2 96 B (3.6: 100), v3 148 B (3.6: 68); lmax 3 / Cf 64 and lmax 2 / Cf 96
+v1 160 B, v2 176 B (3.6: 180), v3 208 B (3.6: 176); none elsewhere.
+
+Not done: the epilogue still reads and writes global memory from the accumulator layout (32-byte
+segments); staging it through shared memory with TMA stores needs 32 KiB per consumer that
+v2/v3 spend on the A staging and the ring.
 
 The probe: for each forward block GEMM (gated layer: m=0 and |m|=1; final layer: both, with
-alpha), on the same operands, it times both kernels at the bar case (E = 1,051,392, lmax 2,
-Cf 128, F 1), compares both with a float64 evaluation on sampled edges (normwise error over the
-block's columns, the last partial edge tile always included) and with each other, then repeats
-the comparison (untimed) at odd sizes: E not a multiple of the tile, F = 2, lmax 1 and 3, Cf 64.
-One JSON line per row; ``results/gluon_stack_probe_<UTC>.json`` is rewritten after each row. A
-watchdog ends the process if a kernel hangs (a barrier deadlock would hold the GPU)::
+alpha), on the same operands, it times the Triton kernel and the Gluon variants at the bar case
+(E = 1,051,392, lmax 2, Cf 128, F 1), compares each with a float64 evaluation on sampled edges
+(normwise error over the block's columns, the last partial edge tile always included) and with
+the Triton kernel, then repeats the comparison (untimed, ``--odd-kernels``, default v3) at odd
+sizes: E not a multiple of the tile, F = 2, lmax 1 and 3, Cf 64. One JSON line per row;
+``results/gluon_stack_probe_<UTC>.json`` is rewritten after each row. A watchdog ends the
+process if a kernel hangs (a barrier deadlock would hold the GPU)::
 
     PYTHONPATH=$PWD python3 benchmarks/gluon_stack_probe.py [--skip-bar] [--skip-odd]
+        [--kernels gluon gluon_v2 gluon_v3] [--odd-kernels gluon_v3]
     PYTHONPATH=$PWD python3 benchmarks/gluon_stack_probe.py --offline   # sm_90 compile, no GPU
 """
 
@@ -65,6 +80,7 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -88,7 +104,9 @@ from so2kernels.mixing_stack_kernels import (
 
 
 class GluonTile:
-    """Launch shape of :func:`block_fwd_gluon_kernel` (one consumer warpgroup's tile)."""
+    """Launch shape of :func:`block_fwd_gluon_kernel`: ``block_m`` edges × ``block_n`` columns
+    per tile (one consumer's in ping-pong, both consumers' when cooperative), ``block_k``-wide K
+    steps, ``stages`` ring slots per ring."""
 
     def __init__(self, block_m: int, block_n: int, block_k: int, stages: int) -> None:
         self.block_m, self.block_n, self.block_k, self.stages = block_m, block_n, block_k, stages
@@ -100,10 +118,26 @@ class GluonTile:
         return self.block_k if width % self.block_k == 0 else 32
 
 
-# 64 edges × 128 columns per consumer: two fp32 accumulators are 128 registers a thread, which
-# leaves room in a 240-register consumer for the epilogue. 32-wide K steps keep the fp32 A box at
-# one 128-byte swizzle row; 4 stages per consumer ring, 2 rings: 192 KiB of shared memory.
-GLUON_TILE = GluonTile(64, 128, 32, 4)
+@dataclass(frozen=True)
+class GluonKernel:
+    """One variant of :func:`block_fwd_gluon_kernel`: its name in the probe's rows, its tile,
+    where the split A operand lives, and how the two consumer warpgroups share the work."""
+
+    name: str
+    tile: GluonTile
+    smem_a: bool  # fp16 A planes staged in shared memory (v2, v3), else wgmma register operands
+    cooperative: bool  # both consumers on one tile, one ring (v3), else ping-pong over tiles
+
+
+# 64 edges × 128 columns per consumer in all variants: two fp32 accumulators are 128 registers
+# a thread, which leaves room in a 240-register consumer for the epilogue. 32-wide K steps keep
+# the fp32 A box at one 128-byte swizzle row. v1: 4 stages per consumer ring, 2 rings: 192 KiB
+# of shared memory; v2 adds 32 KiB of fp16 A staging. v3's tile is 128 edges (64 per consumer)
+# so each B box feeds both: 6 stages of one ring (192 KiB) plus the 32 KiB staging.
+GLUON_V1 = GluonKernel("gluon", GluonTile(64, 128, 32, 4), smem_a=False, cooperative=False)
+GLUON_V2 = GluonKernel("gluon_v2", GluonTile(64, 128, 32, 4), smem_a=True, cooperative=False)
+GLUON_V3 = GluonKernel("gluon_v3", GluonTile(128, 128, 32, 6), smem_a=True, cooperative=True)
+GLUON_KERNELS = (GLUON_V1, GLUON_V2, GLUON_V3)
 
 _CONSUMER_REGS = gl.constexpr(240)
 _PRODUCER_REGS = gl.constexpr(24)
@@ -113,6 +147,14 @@ warpgroup) at 168 registers fill the 64K register file; the producers then hand 
 consumers (24 → 240)."""
 SHARED_MEMORY_LIMIT = 232_448
 """Shared memory one CTA may use on sm_90 (227 KiB)."""
+
+
+_A_STAGING = gl.constexpr(2)
+# v2 stages the split A box in shared memory: step s writes buffer s % 2 while step s - 1's
+# products may still read the other one.
+
+# Triton 3.7 names the CTA (here: partition) barrier gl.barrier, Triton 3.6 gl.thread_barrier.
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 def hopper_available() -> bool:
@@ -212,6 +254,62 @@ def _tile_product(
 
 
 @gluon.jit
+def _tile_product_smem_a(
+    a_bufs, b_bufs, b_lo_bufs, ready, empty, staging, step, ring: gl.constexpr,
+    group: gl.constexpr, ROW0: gl.constexpr, acc_layout: gl.constexpr, K_STEPS: gl.constexpr,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """v2/v3 of :func:`_tile_product`: the split A box goes to shared memory, so every wgmma
+    reads both operands from shared memory and one step's products stay in flight while the
+    next box is split; returns the merged fp32 result (acc layout).
+
+    ``staging`` holds the fp16 head and tail planes ``(2·BUFS, ROWS, BLOCK_K)``; consumer
+    ``group`` owns buffers ``group·BUFS …`` and takes rows ``ROW0 … ROW0 + ROWS`` of each A box
+    of ring ``ring``. A ring slot is released (one arrive per consumer that reads it) once the
+    step that read its B boxes has retired, one step later."""
+    a_hi_stage, a_lo_stage = staging
+    BOX_M: gl.constexpr = a_bufs.type.shape[1]
+    ROWS: gl.constexpr = a_hi_stage.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    BUFS: gl.constexpr = _A_STAGING
+    # 16-byte pieces, one 128-byte fp32 box row per 8 threads: conflict-free on the swizzled box.
+    ROW_THREADS: gl.constexpr = BLOCK_K // 4
+    split_layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 4], threads_per_warp=[32 // ROW_THREADS, ROW_THREADS],
+        warps_per_cta=[4, 1], order=[1, 0],
+    )  # fmt: skip
+    hi = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+    lo = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+    for k in range(K_STEPS):
+        slot = ring * STAGES + step % STAGES
+        buf = group * BUFS + step % BUFS
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        box = a_bufs.index(slot) if ROWS == BOX_M else a_bufs.index(slot).slice(ROW0, ROWS)
+        a_hi, a_lo = _split_fp16x3(box.load(split_layout))
+        # This buffer was last read by step - 2's products; every warp has retired those (its
+        # wait in step - 1) only once all of them are past this barrier.
+        _partition_barrier()
+        a_hi_stage.index(buf).store(a_hi)
+        a_lo_stage.index(buf).store(a_lo)
+        # The generic-proxy stores of all four warps must be visible to the async proxy (wgmma).
+        fence_async_shared()
+        _partition_barrier()
+        b_hi = b_bufs.index(slot)
+        hi = warpgroup_mma(a_hi_stage.index(buf), b_hi, hi, is_async=True)
+        lo = warpgroup_mma(a_hi_stage.index(buf), b_lo_bufs.index(slot), lo, is_async=True)
+        lo = warpgroup_mma(a_lo_stage.index(buf), b_hi, lo, is_async=True)
+        # Each async wgmma is one group: leaving 3 outstanding retires step - 1.
+        hi, lo = warpgroup_mma_wait(num_outstanding=3, deps=(hi, lo))
+        if k > 0:
+            mbarrier.arrive(empty.index(ring * STAGES + (step - 1) % STAGES), count=1)
+        step += 1
+    hi, lo = warpgroup_mma_wait(num_outstanding=0, deps=(hi, lo))
+    mbarrier.arrive(empty.index(ring * STAGES + (step - 1) % STAGES), count=1)
+    return (hi + lo * (1.0 / 2048.0)) * 16.0
+
+
+@gluon.jit
 def _epilogue(
     acc, focus, first, n0, n_edge, n_focus, layer, u_ptr, z_ptr, sig_ptr, alpha_ptr, out_ptr,
     acc_layout: gl.constexpr, L: gl.constexpr, FD: gl.constexpr, M1_BLOCK: gl.constexpr,
@@ -264,9 +362,14 @@ def _epilogue(
 def _consumer(
     smem, pointers, sizes, first_tile, tile_stride, ring: gl.constexpr, L: gl.constexpr,
     FD: gl.constexpr, M1_BLOCK: gl.constexpr, FINAL: gl.constexpr, APPLY_ALPHA: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, staging, group: gl.constexpr, SMEM_A: gl.constexpr,
+    COOP: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: products and epilogue of every other tile (ring ``ring``) of this CTA."""
+    """One warpgroup (consumer ``group``): products and epilogue of the tiles of ring ``ring``
+    from ``first_tile`` on. Ping-pong (v1, v2): every other tile of the CTA, whole. ``COOP``
+    (v3): every tile of the CTA, rows ``group·BLOCK_M/2 …`` of it, the B boxes shared with the
+    other consumer. ``SMEM_A`` selects the product with A staged in shared memory
+    (``staging``; unused by v1)."""
     a_bufs, b_bufs, b_lo_bufs, ready, empty = smem
     u_ptr, z_ptr, sig_ptr, alpha_ptr, out_ptr = pointers
     n_edge, n_focus, layer = sizes
@@ -276,6 +379,8 @@ def _consumer(
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
     K_STEPS: gl.constexpr = WIDTH // BLOCK_K
+    ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M
+    ROW0: gl.constexpr = group * ROWS if COOP else 0
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -283,9 +388,16 @@ def _consumer(
     step = 0
     for tile in range(first_tile, n_tiles, tile_stride):
         focus, first, n0 = _tile_origin(tile, n_edge, WIDTH, BLOCK_M, BLOCK_N)
-        acc = _tile_product(
-            a_bufs, b_bufs, b_lo_bufs, ready, empty, step, ring, acc_layout, K_STEPS, STAGES
-        )
+        first += ROW0
+        if SMEM_A:
+            acc = _tile_product_smem_a(
+                a_bufs, b_bufs, b_lo_bufs, ready, empty, staging, step, ring, group, ROW0,
+                acc_layout, K_STEPS, STAGES,
+            )  # fmt: skip
+        else:
+            acc = _tile_product(
+                a_bufs, b_bufs, b_lo_bufs, ready, empty, step, ring, acc_layout, K_STEPS, STAGES
+            )
         step += K_STEPS
         _epilogue(
             acc, focus, first, n0, n_edge, n_focus, layer, u_ptr, z_ptr, sig_ptr, alpha_ptr,
@@ -312,14 +424,22 @@ def block_fwd_gluon_kernel(
     FINAL: gl.constexpr,
     APPLY_ALPHA: gl.constexpr,
     STAGES: gl.constexpr,
+    SMEM_A: gl.constexpr,
+    COOP: gl.constexpr,
 ):
     """Fast-tier block GEMM of one layer with its epilogue (semantics of
     :func:`so2kernels.mixing_stack_kernels.block_fwd_kernel`), warp-specialised: this
-    warpgroup and one worker warpgroup consume alternate tiles, two one-warp workers load them."""
+    warpgroup and one worker warpgroup consume alternate tiles, two one-warp workers load them.
+    ``SMEM_A`` False is v1 (A split into wgmma register operands), True v2 (A split into
+    shared-memory planes). ``COOP`` (v3, with ``SMEM_A``): both consumer warpgroups work on
+    the same ``BLOCK_M``-edge tile (half the rows each) from one ring and one producer, so each
+    B box loaded serves twice the edges."""
     M0: gl.constexpr = FD + L * FD
     WIDTH: gl.constexpr = 2 * L * FD if M1_BLOCK else M0
     COL0: gl.constexpr = M0 if M1_BLOCK else 0
-    RINGS: gl.constexpr = 2
+    # v1's register-operand product takes whole boxes: it has no cooperative form.
+    gl.static_assert(SMEM_A or not COOP, "the cooperative schedule needs SMEM_A")
+    RINGS: gl.constexpr = 1 if COOP else 2
     BLOCK_M: gl.constexpr = u_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = u_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
@@ -331,28 +451,55 @@ def block_fwd_gluon_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(SLOTS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        # Cooperative slots are read by both consumers: each releases it.
+        mbarrier.init(empty.index(i), count=2 if COOP else 1)
+    if SMEM_A:
+        a16_layout: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=2 * BLOCK_K, element_bitwidth=16, rank=2
+        )
+        ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M
+        a16_shape: gl.constexpr = [2 * _A_STAGING, ROWS, BLOCK_K]
+        staging = (
+            gl.allocate_shared_memory(gl.float16, a16_shape, a16_layout),
+            gl.allocate_shared_memory(gl.float16, a16_shape, a16_layout),
+        )
+    else:
+        # Unused by v1; warp_specialize takes values only, so any shared buffers stand in.
+        staging = (b_bufs, b_lo_bufs)
 
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    stride = RINGS * n_programs
     smem = (a_bufs, b_bufs, b_lo_bufs, ready, empty)
     pointers = (u_ptr, z_ptr, sig_ptr, alpha_ptr, out_ptr)
     sizes = (n_edge, n_focus, layer)
     descs = (u_desc, w_desc, w_lo_desc)
-    other = pid + n_programs  # the second consumer's first tile
-    gl.warp_specialize(
-        [
-            (_consumer, (smem, pointers, sizes, pid, stride, 0, L, FD, M1_BLOCK, FINAL,
-                         APPLY_ALPHA, STAGES)),
-            (_consumer, (smem, pointers, sizes, other, stride, 1, L, FD, M1_BLOCK, FINAL,
-                         APPLY_ALPHA, STAGES)),
-            (_producer, (descs, smem, sizes, pid, stride, 0, COL0, WIDTH, STAGES)),
-            (_producer, (descs, smem, sizes, other, stride, 1, COL0, WIDTH, STAGES)),
-        ],
-        [4, 1, 1],
-        [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS],
-    )  # fmt: skip
+    if COOP:
+        gl.warp_specialize(
+            [
+                (_consumer, (smem, pointers, sizes, pid, n_programs, 0, L, FD, M1_BLOCK, FINAL,
+                             APPLY_ALPHA, STAGES, staging, 0, SMEM_A, COOP)),
+                (_consumer, (smem, pointers, sizes, pid, n_programs, 0, L, FD, M1_BLOCK, FINAL,
+                             APPLY_ALPHA, STAGES, staging, 1, SMEM_A, COOP)),
+                (_producer, (descs, smem, sizes, pid, n_programs, 0, COL0, WIDTH, STAGES)),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )  # fmt: skip
+    else:
+        stride = RINGS * n_programs
+        other = pid + n_programs  # the second consumer's first tile
+        gl.warp_specialize(
+            [
+                (_consumer, (smem, pointers, sizes, pid, stride, 0, L, FD, M1_BLOCK, FINAL,
+                             APPLY_ALPHA, STAGES, staging, 0, SMEM_A, COOP)),
+                (_consumer, (smem, pointers, sizes, other, stride, 1, L, FD, M1_BLOCK, FINAL,
+                             APPLY_ALPHA, STAGES, staging, 1, SMEM_A, COOP)),
+                (_producer, (descs, smem, sizes, pid, stride, 0, COL0, WIDTH, STAGES)),
+                (_producer, (descs, smem, sizes, other, stride, 1, COL0, WIDTH, STAGES)),
+            ],
+            [4, 1, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS],
+        )  # fmt: skip
 
 
 # Launcher of the Gluon kernel
@@ -401,11 +548,12 @@ def block_fwd_gluon(
     m1_block: bool,
     final: bool,
     apply_alpha: bool,
-    tile: GluonTile = GLUON_TILE,
+    kernel: GluonKernel = GLUON_V1,
 ) -> None:
     """Launch :func:`block_fwd_gluon_kernel` for ``layer``'s m=0 (or |m|=1 when ``m1_block``)
     block: ``src (F, E, ROW)`` fp32, ``weights`` the fp16 (head, tail) planes ``(NL, F, W, W)``,
-    the remaining tensors as in the Triton launcher."""
+    the remaining tensors as in the Triton launcher; ``kernel`` picks the variant."""
+    tile = kernel.tile
     n_focus, n_edge, _row = src.shape
     width = weights[0].shape[-1]
     block_k = tile.k_step(width)
@@ -419,7 +567,8 @@ def block_fwd_gluon(
         _weight_descriptor(weights[1], block_k, tile.block_n),
         src, z_all, sig, alpha, out, n_edge, n_focus, layer,
         L=lmax, FD=focus_dim, M1_BLOCK=m1_block, FINAL=final, APPLY_ALPHA=apply_alpha,
-        STAGES=tile.stages, num_warps=4, maxnreg=MAX_REGISTERS,
+        STAGES=tile.stages, SMEM_A=kernel.smem_a, COOP=kernel.cooperative, num_warps=4,
+        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
 
 
@@ -435,13 +584,15 @@ OFFLINE_FLAGS = (
 """(M1_BLOCK, FINAL, APPLY_ALPHA) of the four forward block GEMMs."""
 
 
-def compile_offline(lmax: int, focus_dim: int, flags: tuple[bool, bool, bool]) -> dict[str, object]:
+def compile_offline(
+    lmax: int, focus_dim: int, flags: tuple[bool, bool, bool], kernel: GluonKernel
+) -> dict[str, object]:
     """Compile one variant for sm_90 with the local Triton (run without TRITON_INTERPRET)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     m1_block, final, apply_alpha = flags
-    tile = GLUON_TILE
+    tile = kernel.tile
     width = 2 * lmax * focus_dim if m1_block else (lmax + 1) * focus_dim
     block_k = tile.k_step(width)
     u_block, w_block = [tile.block_m, block_k], [block_k, tile.block_n]
@@ -450,7 +601,8 @@ def compile_offline(lmax: int, focus_dim: int, flags: tuple[bool, bool, bool]) -
     w_type = f"tensordesc<fp16[{block_k},{tile.block_n}],{w_layout!r}>"
     consts = {
         "L": lmax, "FD": focus_dim, "M1_BLOCK": m1_block, "FINAL": final,
-        "APPLY_ALPHA": apply_alpha, "STAGES": tile.stages,
+        "APPLY_ALPHA": apply_alpha, "STAGES": tile.stages, "SMEM_A": kernel.smem_a,
+        "COOP": kernel.cooperative,
     }  # fmt: skip
     signature = {
         "u_desc": f"tensordesc<fp32[{tile.block_m},{block_k}],{u_layout!r}>",
@@ -475,6 +627,7 @@ def compile_offline(lmax: int, focus_dim: int, flags: tuple[bool, bool, bool]) -
     reallocations = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])
     registers = re.search(r"Used (\d+) registers", report)
     return {
+        "kernel": kernel.name, "triton": triton.__version__,
         "lmax": lmax, "focus_dim": focus_dim, "m1_block": m1_block, "final": final,
         "shared_bytes": compiled.metadata.shared,
         "shared_fits_sm90": compiled.metadata.shared <= SHARED_MEMORY_LIMIT,
@@ -487,7 +640,7 @@ def compile_offline(lmax: int, focus_dim: int, flags: tuple[bool, bool, bool]) -
 # The probe
 
 BAR_EDGES = 1_051_392
-HANG_LIMIT_S = 120
+HANG_LIMIT_S = 45  # one kernel's compile, first launch and timing; a hang ends the process
 SAMPLED_EDGES = 4096
 
 
@@ -583,12 +736,14 @@ def launch_triton(shape: Shape, ops: Operands, variant: Variant, outs: Outputs) 
     )  # fmt: skip
 
 
-def launch_gluon(shape: Shape, ops: Operands, variant: Variant, outs: Outputs) -> None:
+def launch_gluon(
+    kernel: GluonKernel, shape: Shape, ops: Operands, variant: Variant, outs: Outputs
+) -> None:
     index = 1 if variant.m1_block else 0
     block_fwd_gluon(
         ops.u, (ops.w_heads[index], ops.w_tails[index]), outs.z_all, ops.sig, ops.alpha,
         outs.out, layer_of(variant), shape.lmax, shape.focus_dim, m1_block=variant.m1_block,
-        final=variant.final, apply_alpha=variant.final,
+        final=variant.final, apply_alpha=variant.final, kernel=kernel,
     )  # fmt: skip
 
 
@@ -643,38 +798,60 @@ def compare(
         if z is not None and z_ref is not None:
             errors[f"{name}_z_err"] = _rel(z, z_ref)
         errors[f"{name}_nan"] = float(not bool(torch.isfinite(out[..., written]).all()))
-    (_, out_t), (_, out_g) = views["triton"], views["gluon"]
-    scale = out_t[..., written].abs().max().item()
-    diff = (out_g[..., written] - out_t[..., written]).abs().max().item()
-    errors["gluon_vs_triton_out"] = diff / scale if scale else 0.0
+    out_t = views["triton"][1][..., written]
+    scale = out_t.abs().max().item()
+    for name, (_z, out) in views.items():
+        if name != "triton":
+            diff = (out[..., written] - out_t).abs().max().item()
+            errors[f"{name}_vs_triton_out"] = diff / scale if scale else 0.0
     return errors
 
 
 Launcher = Callable[[Shape, Operands, Variant, Outputs], None]
-LAUNCHERS: dict[str, Launcher] = {"triton": launch_triton, "gluon": launch_gluon}
+LAUNCHERS: dict[str, Launcher] = {
+    "triton": launch_triton,
+    **{kernel.name: functools.partial(launch_gluon, kernel) for kernel in GLUON_KERNELS},
+}
 
 
-def run_row(shape: Shape, variant: Variant, timed: bool, seed: int) -> dict[str, object]:
+def run_row(
+    shape: Shape, variant: Variant, timed: bool, seed: int, names: list[str]
+) -> dict[str, object]:
+    """Launch the Triton kernel and the named Gluon variants on the same operands (timed at
+    the bar case) and compare each with float64 and with the Triton kernel. A variant that
+    raises is recorded as ``<name>_error`` and left out of the comparison."""
     ops = make_operands(shape, seed)
     results: dict[str, Outputs] = {}
     row: dict[str, object] = {"variant": variant.name, **shape.__dict__}
-    for name, launch in LAUNCHERS.items():
+    for name in ["triton", *names]:
+        launch = LAUNCHERS[name]
         faulthandler.dump_traceback_later(HANG_LIMIT_S, exit=True)
-        outs = fresh_outputs(shape, variant.final)
-        launch(shape, ops, variant, outs)
-        torch.cuda.synchronize()
-        if timed:
-            row[f"{name}_ms"] = time_ms(functools.partial(launch, shape, ops, variant, outs), 5, 30)
-        faulthandler.cancel_dump_traceback_later()
-        results[name] = outs
+        try:
+            outs = fresh_outputs(shape, variant.final)
+            launch(shape, ops, variant, outs)
+            torch.cuda.synchronize()
+            if timed:
+                call = functools.partial(launch, shape, ops, variant, outs)
+                elapsed = time_ms(call, 5, 30)
+                row[f"{name}_ms"] = elapsed
+                if name != "triton":
+                    row[f"{name}_speedup"] = float(row["triton_ms"]) / elapsed  # type: ignore[arg-type]
+        except Exception as exc:  # a failing kernel is a result, not the end of the row
+            if name == "triton":
+                raise
+            row[f"{name}_error"] = repr(exc)[:2000]
+        else:
+            results[name] = outs
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     n_sample = min(SAMPLED_EDGES, shape.n_edge)
     edges = torch.randperm(shape.n_edge, device="cuda", generator=gen)[:n_sample]
     # The last (partial) edge tile is where masking mistakes show: always check it.
-    edges = torch.cat((edges, torch.arange(max(0, shape.n_edge - 70), shape.n_edge, device="cuda")))
+    edges = torch.cat(
+        (edges, torch.arange(max(0, shape.n_edge - 130), shape.n_edge, device="cuda"))
+    )
     row.update(compare(shape, ops, variant, results, edges))
-    if timed:
-        row["speedup"] = float(row["triton_ms"]) / float(row["gluon_ms"])  # type: ignore[arg-type]
     return row
 
 
@@ -691,27 +868,41 @@ def main() -> None:
     parser.add_argument("--skip-bar", action="store_true")
     parser.add_argument("--skip-odd", action="store_true")
     parser.add_argument("--offline", action="store_true", help="compile for sm_90 only (no GPU)")
+    gluon_names = [kernel.name for kernel in GLUON_KERNELS]
+    parser.add_argument(
+        "--kernels", nargs="+", choices=gluon_names, default=gluon_names,
+        help="Gluon variants timed at the bar case",
+    )  # fmt: skip
+    parser.add_argument(
+        "--odd-kernels", nargs="*", choices=gluon_names, default=["gluon_v3"],
+        help="Gluon variants checked at the odd sizes (v1's were checked by the first run; v2 "
+        "has v1's epilogue and masking, v3 new row offsets)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if args.offline:
         for lmax, focus_dim in OFFLINE_REGIMES:
             for flags in OFFLINE_FLAGS:
-                print(json.dumps(compile_offline(lmax, focus_dim, flags)), flush=True)
+                for kernel in GLUON_KERNELS:
+                    row = compile_offline(lmax, focus_dim, flags, kernel)
+                    print(json.dumps(row), flush=True)
         return
     if not hopper_available():
         raise SystemExit("gluon_stack_probe: needs a Hopper (sm_90) GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     rows: list[dict[str, object]] = []
     path: Path | None = None
-    plan: list[tuple[Shape, Variant, bool]] = []
+    plan: list[tuple[Shape, Variant, bool, list[str]]] = []
     if not args.skip_bar:
-        plan += [(Shape(2, 128, 1, BAR_EDGES), v, True) for v in VARIANTS]
+        plan += [(Shape(2, 128, 1, BAR_EDGES), v, True, args.kernels) for v in VARIANTS]
     if not args.skip_odd:
-        plan += [(shape, v, False) for shape, variants in ODD_CASES for v in variants]
-    for i, (shape, variant, timed) in enumerate(plan):
+        plan += [
+            (shape, v, False, args.odd_kernels) for shape, variants in ODD_CASES for v in variants
+        ]
+    for i, (shape, variant, timed, names) in enumerate(plan):
         try:
-            row = run_row(shape, variant, timed, seed=i)
-        except Exception as exc:  # a failing variant is a result, not the end
+            row = run_row(shape, variant, timed, i, names)
+        except Exception as exc:  # a failing row is a result, not the end
             faulthandler.cancel_dump_traceback_later()
             row = {"variant": variant.name, **shape.__dict__, "error": repr(exc)[:2000]}
         print(json.dumps(row), flush=True)
