@@ -1,15 +1,29 @@
 """Experiment (issue #2): warp-specialised Gluon fp16x3 block GEMMs vs the Triton kernel.
 
 Warp-specialised Gluon versions of the mixing stack's forward block GEMM, against the Triton
-descriptor kernel they are meant to replace.
+descriptor kernel they are meant to replace. None of them is faster (H200, torch 2.11, Triton
+3.6, bar case; ``results/gluon_stack_probe_20261130T111110Z.json``, one call timing all four
+side by side), so nothing of this ships in ``so2kernels``:
+
+=================  ======  ==============  ==============  ==============
+block GEMM         Triton  v1              v2              v3
+=================  ======  ==============  ==============  ==============
+gated |m|=1        4.72    5.45 (0.87×)    5.85 (0.81×)    5.44 (0.87×)
+gated m=0          3.00    3.04 (0.99×)    3.12 (0.96×)    3.11 (0.97×)
+final |m|=1        4.20    4.09 (1.03×)    4.16 (1.01×)    3.98 (1.05×)
+final m=0          2.57    2.65 (0.97×)    2.57 (1.00×)    2.75 (0.93×)
+=================  ======  ==============  ==============  ==============
+
+(ms; errors vs float64 identical to the Triton kernel's in every variant, outputs equal or within
+8e-8; v3 also checked at odd sizes.) Neither keeping products in flight (v2) nor halving the
+weight traffic per edge (v3) moved the gated |m|=1 GEMM, whose epilogue (store z, load u and
+σ, store the activation) is the heaviest.
 
 Three variants of one kernel (``block_fwd_gluon_kernel``, picked by ``GLUON_V1/V2/V3``):
 
-* v1 (``gluon``): H200 result (torch 2.11, Triton 3.6;
-  ``results/gluon_stack_probe_20261130T105457Z.json``): as accurate as the Triton kernel
-  (identical errors vs float64, outputs equal or within 8e-8) but not faster at DeePMD's bar
-  case: |m|=1 gated 5.28 vs 4.57 ms, m=0 gated 2.97 vs 2.92, final |m|=1 4.08 vs 4.00, final
-  m=0 2.52 vs 2.45 ms. Each K step is retired (``wait(0)``) before the next A box is split,
+* v1 (``gluon``): first run alone (``results/gluon_stack_probe_20261130T105457Z.json``):
+  |m|=1 gated 5.28 vs 4.57 ms, m=0 gated 2.97 vs 2.92, final |m|=1 4.08 vs 4.00, final m=0
+  2.52 vs 2.45 ms. Each K step is retired (``wait(0)``) before the next A box is split,
   because wgmma reads its register operand asynchronously.
 * v2 (``gluon_v2``): v1 with A through shared memory. The consumer splits the fp32 A box into
   fp16 head/tail planes in a double-buffered staging area (NVMMA layout), so every wgmma reads
