@@ -68,6 +68,8 @@ def _species(value: object) -> np.ndarray:
         raise ValueError(f"species must be one-dimensional, got shape {value.shape}")
     if not isinstance(value, list | tuple):
         raise ValueError("species must be a list of element symbols or atomic numbers")
+    if not value:  # np.asarray([]) is float: let validation report the empty structure
+        return np.zeros(0, dtype=np.int64)
     raw = np.asarray(value)
     if raw.dtype.kind in "iu" or (raw.dtype.kind == "U" and raw.ndim == 1):
         return raw

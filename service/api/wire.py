@@ -135,7 +135,7 @@ def _binary_array(
             field, f"a typed array has exactly the keys dtype, shape, data; got {sorted(value)}"
         )
     dtype, shape, data = value["dtype"], value["shape"], value["data"]
-    if dtype not in dtypes:
+    if not isinstance(dtype, str) or dtype not in dtypes:
         raise _bad_array(field, f"{name} dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     if not isinstance(data, bytes):
         raise _bad_array(field, "data must be msgpack bin (raw bytes)")

@@ -32,6 +32,12 @@ MIN_CELL_HEIGHT = 0.5
 """Å. A periodic axis thinner than this puts every atom within 0.5 Å of its own image (nothing
 physical) and would make the image enumeration explode; such cells are rejected as singular."""
 
+MAX_COORDINATE = 1.0e7
+"""Å. Largest accepted |coordinate| of a position or a lattice vector. Far beyond any physical
+system, yet small enough that float64 keeps positions and their differences to ~1e-9 Å, and
+that the neighbour searches' bin and image counts stay finite (a coordinate near 1e300 made
+their grid arithmetic overflow)."""
+
 _MIN_RELATIVE_VOLUME = 1e-8
 """Volume of the periodic lattice vectors relative to the product of their lengths, below which
 they count as linearly dependent."""
@@ -313,20 +319,27 @@ def _validate_numbers(raw: object, field: str, index: int) -> NDArray[np.int64]:
         raise InvalidStructureError(
             "unknown_element", "atomic numbers must be integers", field=name, index=index
         )
-    z = arr.astype(np.int64)
-    bad = np.flatnonzero((z < 1) | (z > MAX_ATOMIC_NUMBER))
+    # Range-checked before the cast: a uint64 of 2^64 − 1 would wrap to −1 in int64.
+    bad = np.flatnonzero((arr < 1) | (arr > MAX_ATOMIC_NUMBER))
     if bad.size:
+        value = arr[bad[0]].item()
         raise InvalidStructureError(
             "unknown_element",
-            f"atomic number {z[bad[0]]} at atom {bad[0]} is not an element (1..118)",
+            f"atomic number {value:g} at atom {bad[0]} is not an element (1..118)"
+            if isinstance(value, float)
+            else f"atomic number {value} at atom {bad[0]} is not an element (1..118)",
             field=name,
             index=index,
         )
-    return z
+    return arr.astype(np.int64)
 
 
 def _validate_positions(raw: object, n_atoms: int, field: str, index: int) -> NDArray[np.float64]:
     name = f"{field}.positions"
+    if n_atoms == 0:
+        raise InvalidStructureError(
+            "empty_structure", "a structure needs at least one atom", field=name, index=index
+        )
     try:
         x = np.array(raw, dtype=np.float64)
     except (ValueError, TypeError) as exc:
@@ -350,16 +363,22 @@ def _validate_positions(raw: object, n_atoms: int, field: str, index: int) -> ND
             field=name,
             index=index,
         )
-    if n_atoms == 0:
-        raise InvalidStructureError(
-            "empty_structure", "a structure needs at least one atom", field=name, index=index
-        )
     finite = np.isfinite(x).all(axis=1)
     if not finite.all():
         atom = int(np.flatnonzero(~finite)[0])
         raise InvalidStructureError(
             "non_finite_positions",
             f"position of atom {atom} is not finite: {x[atom].tolist()}",
+            field=name,
+            index=index,
+        )
+    far = np.abs(x).max(axis=1) > MAX_COORDINATE
+    if far.any():
+        atom = int(np.flatnonzero(far)[0])
+        raise InvalidStructureError(
+            "positions_out_of_range",
+            f"position of atom {atom} is {x[atom].tolist()} Å; coordinates are limited to "
+            f"±{MAX_COORDINATE:.0e} Å",
             field=name,
             index=index,
         )
@@ -408,6 +427,13 @@ def _parse_cell(raw: object, field: str, index: int) -> NDArray[np.float64] | No
         raise InvalidStructureError(
             "non_finite_cell", "cell contains NaN or inf", field=name, index=index
         )
+    if np.abs(cell).max() > MAX_COORDINATE:
+        raise InvalidStructureError(
+            "bad_cell",
+            f"cell entries are limited to ±{MAX_COORDINATE:.0e} Å, got {np.abs(cell).max():.3g}",
+            field=name,
+            index=index,
+        )
     return cell
 
 
@@ -440,16 +466,28 @@ def _check_periodic_lattice(
         lengths = np.linalg.norm(rows, axis=1).tolist()
         gram_volume = float(np.sqrt(max(np.linalg.det(rows @ rows.T), 0.0)))
         bases = [_gram_base(np.delete(rows, k, axis=0)) for k in range(len(axes))]
-    if min(lengths) == 0.0 or gram_volume < _MIN_RELATIVE_VOLUME * math.prod(lengths):
+    # A periodic vector shorter than the minimum height is rejected before the volume tests:
+    # products of tiny lengths underflow to 0 and would slip through them.
+    short = [axis for axis, length in zip(axes.tolist(), lengths, strict=True) if length == 0.0]
+    if short or gram_volume < _MIN_RELATIVE_VOLUME * math.prod(lengths):
         raise InvalidStructureError(
             "singular_cell",
             f"lattice vectors of the periodic axes {axes.tolist()} are zero or linearly dependent",
             field=name,
             index=index,
         )
+    for axis, length in zip(axes.tolist(), lengths, strict=True):
+        if length < MIN_CELL_HEIGHT:
+            raise InvalidStructureError(
+                "singular_cell",
+                f"periodic lattice vector {axis} is only {length:.3g} Å long "
+                f"(minimum {MIN_CELL_HEIGHT} Å)",
+                field=name,
+                index=index,
+            )
     for axis, base in zip(axes.tolist(), bases, strict=True):
         height = gram_volume / base
-        if height < MIN_CELL_HEIGHT:
+        if not height >= MIN_CELL_HEIGHT:  # NaN-safe
             raise InvalidStructureError(
                 "singular_cell",
                 f"periodic axis {axis} is only {height:.3g} Å thick (minimum {MIN_CELL_HEIGHT} Å)",

@@ -46,6 +46,16 @@ def _error(items: list[StructureArrays], **kwargs: Any) -> InvalidStructureError
             "non_finite_positions",
             "positions",
         ),
+        (
+            {"positions": [[0, 0, 0], [1e308, 0, 0], [0, 1, 0]]},
+            "positions_out_of_range",
+            "positions",
+        ),
+        (
+            {"positions": [[0, 0, 0], [0, 0, -2e7], [0, 1, 0]]},
+            "positions_out_of_range",
+            "positions",
+        ),
         ({"positions": WATER[:2]}, "shape_mismatch", "positions"),
         ({"numbers": [], "positions": np.zeros((0, 3))}, "empty_structure", "positions"),
         ({"numbers": [8, 1, 119]}, "unknown_element", "numbers"),
@@ -57,6 +67,11 @@ def _error(items: list[StructureArrays], **kwargs: Any) -> InvalidStructureError
         ({"cell": [[5, 0, 0], [10, 0, 0], [0, 0, 5]]}, "singular_cell", "cell"),
         ({"cell": np.diag([5.0, 5.0, 0.3])}, "singular_cell", "cell"),
         ({"cell": [[5, 0, 0], [0, np.nan, 0], [0, 0, 5]]}, "non_finite_cell", "cell"),
+        # products of tiny lengths underflow to 0, of huge ones overflow: neither may slip through
+        ({"cell": np.diag([1e-200] * 3)}, "singular_cell", "cell"),
+        ({"cell": np.diag([5.0, 5.0, 1e-200])}, "singular_cell", "cell"),
+        ({"cell": np.diag([1e200] * 3)}, "bad_cell", "cell"),
+        ({"numbers": np.array([8, 1, 2**64 - 1], dtype=np.uint64)}, "unknown_element", "numbers"),
         ({"cell": [[5, 0], [0, 5]]}, "bad_cell", "cell"),
         ({"cell": None, "pbc": True}, "bad_pbc", "pbc"),
         ({"pbc": [True, False]}, "bad_pbc", "pbc"),
@@ -75,6 +90,11 @@ def test_invalid_input(changes: dict[str, Any], code: str, field: str) -> None:
     assert err.index == 1
     assert err.field == f"structures[1].{field}"
     assert str(err)
+
+
+def test_huge_atomic_numbers_are_reported_unwrapped() -> None:
+    numbers = np.array([8, 1, 2**64 - 1], dtype=np.uint64)
+    assert "18446744073709551615" in _error([_item(numbers=numbers)]).message
 
 
 def test_too_many_atoms() -> None:

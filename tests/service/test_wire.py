@@ -153,6 +153,8 @@ BAD_ARRAYS = [
     ("bare bin, not rows of 3", {"positions": b"\x00" * 20}, "positions"),
     ("bare bin species", {"species": b"\x01"}, "species"),
     ("cell of integers", {"cell": typed(np.eye(3), "<i4")}, "cell"),
+    ("dtype not a string", {"positions": {**F8_ATOM, "dtype": ["<f8"]}}, "positions"),
+    ("dtype a map", {"positions": {**F8_ATOM, "dtype": {"kind": "f"}}}, "positions"),
 ]
 
 
@@ -174,6 +176,11 @@ def test_malformed_binary_arrays_are_422_bad_array(
         ({"positions": typed(np.full((1, 3), np.nan), "<f8")}, "non_finite_positions", "positions"),
         ({"positions": np.full((1, 3), np.inf).tobytes()}, "non_finite_positions", "positions"),
         ({"positions": typed(np.full((1, 3), np.inf), "<f4")}, "non_finite_positions", "positions"),
+        (
+            {"positions": typed(np.full((1, 3), 1e308), "<f8")},
+            "positions_out_of_range",
+            "positions",
+        ),
         ({"cell": typed(np.diag([np.nan, 1.0, 1.0]), "<f8")}, "non_finite_cell", "cell"),
         ({"cell": typed(np.eye(2), "<f8")}, "bad_cell", "cell"),
         ({"species": typed(np.array([0]), "<i8")}, "unknown_element", "species"),
@@ -202,6 +209,9 @@ BAD_STRUCTURES = [
     ({"species": [1], "positions": [[0, 0]]}, "ragged_positions", "positions"),
     ({"species": [1, 1], "positions": [ORIGIN, ORIGIN]}, "coincident_atoms", "positions"),
     ({"species": [1], "positions": [ORIGIN], "pbc": True}, "bad_pbc", "pbc"),
+    ({"species": [], "positions": []}, "empty_structure", "positions"),
+    ({"species": [2**63], "positions": [ORIGIN]}, "unknown_element", "species"),
+    ({"species": [1], "positions": [[1e300, 0, 0]]}, "positions_out_of_range", "positions"),
     (
         {"species": [1], "positions": [ORIGIN], "cell": [UNIT_X, [2, 0, 0], [0, 0, 1]]},
         "singular_cell",
