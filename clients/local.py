@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 from ase import Atoms
-from ase.calculators.calculator import Calculator, all_changes
+from ase.calculators.calculator import CalculationFailed, Calculator, all_changes
 
 from clients._properties import IMPLEMENTED_PROPERTIES, properties_to_compute
 from service.engine.evaluator import Evaluator
 from service.graph.structures import Structures
+from service.model.errors import non_finite_fields
 
 
 def _host(value: Any) -> np.ndarray:
@@ -30,7 +31,8 @@ class SO2LocalCalculator(Calculator):
         precision: ``"fp32"`` (exact), ``"fp64"`` (reference path) or ``"fp16x3"`` (opt-in
             fast mixing-stack GEMMs, fused path only); reported in the potential's execution info.
 
-    Invalid structures raise ``service.graph.errors.InvalidStructureError`` (a ValueError).
+    Invalid structures raise ``service.graph.errors.InvalidStructureError`` (a ValueError); a
+    result with NaN or inf raises ASE's ``CalculationFailed`` instead of being returned.
     """
 
     implemented_properties = IMPLEMENTED_PROPERTIES
@@ -73,3 +75,7 @@ class SO2LocalCalculator(Calculator):
             self.results["stress"] = _host(prediction.stress[0])
         if "energies" in wanted and prediction.energies is not None:
             self.results["energies"] = _host(prediction.energies)
+        bad = non_finite_fields({k: np.asarray(v) for k, v in self.results.items()})
+        if bad:
+            self.results = {}
+            raise CalculationFailed(f"the model returned non-finite {', '.join(bad)}")

@@ -27,6 +27,7 @@ from service.engine.evaluator import Evaluator, PredictionLike
 from service.engine.metrics import ServiceMetrics
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import StructureArrays, Structures
+from service.model.errors import NonFiniteResultError, non_finite_fields
 
 log = logging.getLogger("so2serve.worker")
 
@@ -106,6 +107,9 @@ class _Partial:
     def from_prediction(cls, prediction: PredictionLike) -> _Partial:
         names = ("energy", *_ATOM_FIELDS, *_STRUCTURE_FIELDS)
         fields = to_host({name: getattr(prediction, name) for name in names})
+        bad = non_finite_fields(fields)
+        if bad:  # a model failure like any other: bisected down to the structures it hits
+            raise NonFiniteResultError(f"the model returned non-finite {', '.join(bad)}")
         energy = fields.pop("energy")
         assert energy is not None
         return cls(energy=energy, fields=fields, failures={})
@@ -243,12 +247,14 @@ class Worker:
         except Exception as exc:  # any failure is isolated per structure below
             oom = is_out_of_memory(exc)
             what = "out of memory" if oom else f"{type(exc).__name__}: {exc}"
+            # The traceback once, where the failure is pinned to one structure; the bisection
+            # levels above it log a line each.
             log.warning(
                 "pass over structures %d..%d failed (%s)",
                 first_index,
                 first_index + s.n_structures - 1,
                 what,
-                exc_info=None if oom else exc,
+                exc_info=exc if not oom and s.n_structures == 1 else None,
             )
             # Drop the traceback: its frames pin the failed pass's device tensors.
             reason = None if oom else exc.with_traceback(None)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
+
 
 class ModelConfigError(ValueError):
     """A model configuration is invalid or unsupported; the message names the field."""
@@ -13,3 +17,18 @@ class ModelFileError(ValueError):
 
 class UnsupportedCheckpointError(ValueError):
     """A DeePMD checkpoint uses an option outside our supported subset; the message names it."""
+
+
+class NonFiniteResultError(RuntimeError):
+    """The model returned NaN or inf (broken weights, or a structure far outside anything it
+    was trained on); never passed on as a result."""
+
+
+def non_finite_fields(values: Mapping[str, np.ndarray | None]) -> list[str]:
+    """Names of the host arrays in ``values`` (``None``: not computed) holding NaN or inf.
+    Stress is left out: its rows are NaN by definition for structures without a 3-D cell."""
+    return [
+        name
+        for name, value in values.items()
+        if value is not None and name != "stress" and not np.isfinite(value).all()
+    ]

@@ -120,6 +120,19 @@ def test_server_errors_become_calculation_failed(server: tuple[str, PairPotentia
     assert info.value.detail == {"field": "structures[0].species", "index": 0}
 
 
+def test_a_non_finite_in_process_result_raises_calculation_failed() -> None:
+    class NaNEnergy(PairPotential):
+        def predict(self, structures: Any, properties: Any) -> Any:
+            out = super().predict(structures, properties)
+            out.energy = torch.full_like(out.energy, float("nan"))
+            return out
+
+    atoms = small_molecule("H2O")
+    atoms.calc = SO2LocalCalculator(NaNEnergy())
+    with pytest.raises(CalculationFailed, match="non-finite energy"):
+        atoms.get_potential_energy()
+
+
 def test_unreachable_service_fails_after_retries() -> None:
     sock = free_port_socket()
     port = sock.getsockname()[1]

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+import torch
 from ase import Atoms
 
 from service.engine import (
@@ -467,6 +468,28 @@ def test_a_model_error_fails_only_its_request() -> None:
             await bad
         await blocker
         return await fine
+
+    assert_same(run_engine(pot, scenario), direct(PairPotential(), good))
+
+
+class NaNOnMethane(PairPotential):
+    def predict(self, structures: Structures, properties: Any) -> Any:
+        out = super().predict(structures, properties)
+        if 5 in np.diff(structures.ptr.numpy()):
+            out.forces = torch.full_like(out.forces, float("nan"))
+        return out
+
+
+def test_a_non_finite_result_fails_only_its_structure() -> None:
+    pot = NaNOnMethane()
+    good = structures_of(small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> EvaluationResult:
+        with pytest.raises(EvaluationFailedError, match=r"structures\[1\].*non-finite forces"):
+            await engine.evaluate(
+                structures_of(small_molecule("H2O"), small_molecule("CH4")), PROPS
+            )
+        return await engine.evaluate(good, PROPS)
 
     assert_same(run_engine(pot, scenario), direct(PairPotential(), good))
 
