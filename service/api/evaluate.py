@@ -127,8 +127,11 @@ class EvaluateEndpoint:
         engine = engine_when_ready(state)
         fmt_in = request_format(headers.get("content-type"))
         fmt_out = response_format(headers.get("accept"), fmt_in)
-        limit = state.settings.max_body_bytes
-        body = await _read_body(receive, headers.get("content-length"), limit)
+        settings = state.settings
+        body = await _read_body(
+            receive, headers.get("content-length"), settings.max_body_bytes,
+            settings.body_timeout_s,
+        )  # fmt: skip
         if body is None:
             return None
         read = time.perf_counter()
@@ -140,6 +143,15 @@ class EvaluateEndpoint:
         else:
             parsed, structures = parse_evaluate(body, fmt_in, check_coincident=check)
         decoded = time.perf_counter()
+        if structures.n_atoms > settings.max_request_atoms:
+            raise ApiError(
+                413,
+                "too_many_atoms",
+                f"the request holds {structures.n_atoms} atoms, above this server's limit of "
+                f"{settings.max_request_atoms} atoms per request (SO2SERVE_MAX_REQUEST_ATOMS); "
+                "send fewer structures per request",
+                detail={"n_atoms": structures.n_atoms, "limit": settings.max_request_atoms},
+            )
         evaluation = engine.submit(structures, parsed.properties, client=connection_of(scope))
         result = await _unless_disconnected(receive, evaluation)
         if result is None:
@@ -201,11 +213,28 @@ async def _respond(
     await send({"type": "http.response.body", "body": payload})
 
 
-async def _read_body(receive: Receive, declared: str | None, limit: int) -> bytes | None:
+async def _read_body(
+    receive: Receive, declared: str | None, limit: int, timeout_s: float
+) -> bytes | None:
     """The whole body (None if the client disconnected first), refusing (413) anything above
-    ``limit`` bytes before buffering it."""
+    ``limit`` bytes before buffering it, and (408) a body still incomplete after ``timeout_s``:
+    a client that stops sending must not hold its buffer and connection for ever."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _body_too_large(int(declared), limit)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive_body(receive, limit)
+    except TimeoutError:
+        raise ApiError(
+            408,
+            "body_timeout",
+            f"the request body did not arrive within {timeout_s:g} s",
+            detail={"timeout_s": timeout_s},
+            headers=_CLOSE,
+        ) from None
+
+
+async def _receive_body(receive: Receive, limit: int) -> bytes | None:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -228,7 +257,13 @@ def _body_too_large(size: int, limit: int) -> ApiError:
         f"the request body has {size} bytes or more, above the limit of {limit} (--max-body-mb); "
         "send fewer structures per request",
         detail={"limit_bytes": limit},
+        headers=_CLOSE,
     )
+
+
+_CLOSE = {"connection": "close"}
+"""On a refused body: the rest of it may still be on its way, so the connection cannot be
+reused; closing it also spares the server reading and discarding what remains."""
 
 
 async def _unless_disconnected(

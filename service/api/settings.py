@@ -53,6 +53,9 @@ class ServiceSettings(BaseSettings):
         default=False, description="allow a non-loopback host without an API key"
     )
     max_atoms: int = Field(default=100_000, gt=0, description="per structure; above → 413")
+    max_request_atoms: int = Field(
+        default=2_000_000, gt=0, description="all structures of one request; above → 413"
+    )
     max_batch_atoms: int = Field(default=16_384, gt=0, description="atom budget of one device pass")
     max_batch_edges: int = Field(
         default=2_000_000, gt=0, description="estimated-edge budget of one device pass"
@@ -77,6 +80,9 @@ class ServiceSettings(BaseSettings):
         default=1024, gt=0, description="queued requests; above → 503 Retry-After"
     )
     max_body_mb: float = Field(default=512.0, gt=0, description="largest request body")
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="time allowed to receive a request body; above → 408"
+    )
     profile_passes: int = Field(
         default=0,
         ge=0,

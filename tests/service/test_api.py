@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -301,6 +302,34 @@ def test_size_limits(client: httpx.Client) -> None:
         413,
         "body_too_large",
     )
+
+
+def test_request_atom_limit_counts_every_structure() -> None:
+    # Each structure is within max_atoms; together they are not.
+    with serve(max_atoms=40, max_request_atoms=10) as (url, _), httpx.Client(base_url=url) as c:
+        doc = request_document([small_molecule(), small_molecule("H2O")])  # 6 + 3 atoms
+        assert c.post("/evaluate", json=doc).status_code == 200
+        doc = request_document([small_molecule()] * 2)
+        detail = assert_error(c.post("/evaluate", json=doc), 413, "too_many_atoms")["detail"]
+        assert detail == {"n_atoms": 12, "limit": 10}
+
+
+def test_a_stalled_body_gets_408_and_the_server_keeps_serving() -> None:
+    with serve(body_timeout_s=0.3) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(
+                b"POST /evaluate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"structures": ['
+            )
+            answer = sock.recv(65536)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408")
+        assert b"connection: close" in head.lower()
+        assert orjson.loads(body)["code"] == "body_timeout"
+        with httpx.Client(base_url=url) as c:
+            doc = request_document([small_molecule()])
+            assert c.post("/evaluate", json=doc).status_code == 200
 
 
 def test_unknown_routes_and_methods(client: httpx.Client) -> None:
