@@ -45,8 +45,10 @@ from service.engine import EvaluationResult
 
 EVALUATE_PATH = "/evaluate"
 
-PARSE_IN_THREAD_BYTES = 1 << 20
-"""Bodies above this are parsed in a thread so the event loop keeps serving others."""
+PARSE_IN_THREAD_BYTES = 32 << 10
+"""Bodies above this are parsed in a thread so the event loop keeps serving others. Parsing
+costs per structure more than per byte: 1 MiB of one-atom structures held the loop for ~1.9 s
+(2-core CPU), 32 KiB of them ~60 ms; a 192-atom structure (~15 KB of JSON) stays inline."""
 
 CLIENT_CLOSED_REQUEST = 499
 """Status recorded (never seen by anyone) when the client left before the answer."""
