@@ -127,7 +127,7 @@ class EvaluateEndpoint:
         state = self._state
         require_api_key(headers, state)
         engine = engine_when_ready(state)
-        fmt_in = request_format(headers.get("content-type"))
+        fmt_in = request_format(headers.get("content-type"), headers.get("content-encoding"))
         fmt_out = response_format(headers.get("accept"), fmt_in)
         settings = state.settings
         body = await _read_body(

@@ -42,8 +42,15 @@ def _media_type(header: str) -> str:
     return header.split(";", 1)[0].strip().lower()
 
 
-def request_format(content_type: str | None) -> WireFormat:
-    """The body's format from ``Content-Type``; anything else is 415."""
+def request_format(content_type: str | None, content_encoding: str | None = None) -> WireFormat:
+    """The body's format from ``Content-Type``; anything else, or a compressed body
+    (``Content-Encoding`` other than identity), is 415."""
+    if content_encoding is not None and content_encoding.strip().lower() not in ("", "identity"):
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"Content-Encoding {content_encoding!r} is not supported; send the body uncompressed",
+        )
     media = _media_type(content_type or "")
     if media == "application/json":
         return WireFormat.JSON

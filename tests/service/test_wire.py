@@ -250,6 +250,13 @@ def test_malformed_bodies_are_400(body: bytes) -> None:
     assert (info.value.status, info.value.code) == (400, "malformed_body")
 
 
+def test_compressed_bodies_are_415() -> None:
+    with pytest.raises(ApiError) as info:
+        request_format("application/json", "gzip")
+    assert (info.value.status, info.value.code) == (415, "unsupported_media_type")
+    assert request_format("application/json", "identity") is WireFormat.JSON
+
+
 def test_content_negotiation() -> None:
     assert request_format("application/json; charset=utf-8") is WireFormat.JSON
     assert request_format("application/x-msgpack") is WireFormat.MSGPACK
