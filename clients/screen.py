@@ -1,7 +1,8 @@
 """Screening: evaluate every structure of some files, through the service or in this process.
 
 * Inputs: anything ``ase.io.iread`` reads. Each structure is identified as ``<path>@<frame>``
-  (the path as given on the command line, so resume with the same spelling).
+  (the path as given on the command line, so resume with the same spelling). A frame that
+  does not parse is recorded as failed (``unreadable``) and reading goes on with the next.
 * Structures travel in batches (bounded by atoms and count) with a bounded number of requests
   in flight; the service coalesces them further on the device.
 * Outputs in the output folder:
@@ -11,8 +12,9 @@
   max force, error), ``journal.jsonl`` (the resume log).
 * Failures: transient ones (connection, 502/503/504) are retried with exponential backoff; a
   structure the service rejects (422/413/507/500) is recorded as failed and the rest of its
-  batch is resubmitted, so one bad structure costs nothing else. Authentication and addressing
-  errors (401/403/404/415) abort the run.
+  batch is resubmitted, so one bad structure costs nothing else; its row's message is about it
+  alone (no place in a batch). Authentication and addressing errors (401/403/404/415) abort
+  the run.
 * Resume: every finished structure is appended to ``results.extxyz`` and flushed, then
   journalled with the byte offset where its frame ends. On restart the journal is read, the
   extxyz is cut back to the last journalled frame (dropping a frame half-written when the run
@@ -22,11 +24,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -95,7 +99,7 @@ class ScreenOptions:
 
 @dataclass(frozen=True)
 class ScreenReport:
-    total: int  # structures found in the inputs (plus unreadable remainders)
+    total: int  # frames found in the inputs (plus unreadable rests of files)
     skipped: int  # finished in an earlier run
     succeeded: int  # evaluated in this run
     failed: int  # recorded as failed in this run
@@ -157,6 +161,17 @@ def _structure_index(detail: Any) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _service_url(url: str) -> httpx.URL:
+    """``url`` parsed; one that names no http(s) host aborts the run (every request would fail)."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ScreenAborted(f"not a service URL: {url!r}: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ScreenAborted(f"expected an http:// or https:// service URL, got {url!r}")
+    return parsed
+
+
 class _HttpBackend:
     """Batches as msgpack requests to the service, with retries on transient failures."""
 
@@ -167,7 +182,7 @@ class _HttpBackend:
             headers["X-API-Key"] = options.api_key
         self._options = options
         self._client = httpx.AsyncClient(
-            base_url=options.url,
+            base_url=_service_url(options.url),
             timeout=options.timeout_s,
             headers=headers,
             limits=httpx.Limits(max_connections=options.concurrency),
@@ -377,21 +392,70 @@ def _extxyz_frame(item: _Item, result: dict[str, Any]) -> bytes:
     return buffer.getvalue().encode("utf-8")
 
 
-def read_inputs(paths: Sequence[Path]) -> tuple[list[_Item], list[_Outcome]]:
-    """Every structure of every file; a file that stops parsing yields one failure entry."""
-    items: list[_Item] = []
-    unreadable: list[_Outcome] = []
+@dataclass(frozen=True)
+class _Inputs:
+    items: list[_Item]  # structures that parsed
+    unreadable: list[_Outcome]  # frames (or rests of files) that did not
+    order: list[str]  # the ids of both, in input order
+
+
+def read_inputs(paths: Sequence[Path]) -> _Inputs:
+    """Every structure of every file, each malformed frame a failure of its own."""
+    inputs = _Inputs([], [], [])
     for path in paths:
-        read = 0
+        for entry in _read_frames(str(path)):
+            if isinstance(entry, _Item):
+                inputs.items.append(entry)
+                inputs.order.append(entry.id)
+            else:
+                inputs.unreadable.append(entry)
+                inputs.order.append(entry.item.id)
+    return inputs
+
+
+def _read_frames(source: str) -> Iterator[_Item | _Outcome]:
+    """The frames of ``source`` in order: an item per frame that parses, a failure per frame
+    that does not.
+
+    One streaming pass when every frame parses. After a failure at frame k the file is read
+    again from frame k + 1 (ASE's extxyz reader locates frames from their atom-count lines, so
+    a malformed coordinate spoils only its own frame), unless the failure is not about frame k
+    alone: then the rest of the file is one failure. Each malformed frame costs one more scan
+    of the atom-count lines (about a tenth of parsing the file, for extxyz).
+    """
+    start = 0
+    alone: bool | None = None  # whether a failure spoils only its frame: same for every frame
+    while True:
+        frame = start
         try:
-            for atoms in ase.io.iread(str(path), index=":"):
-                items.append(_Item(f"{path}@{read}", str(path), read, atoms))
-                read += 1
+            for atoms in ase.io.iread(source, index=slice(start, None)):
+                yield _Item(f"{source}@{frame}", source, frame, atoms)
+                frame += 1
+            return
         except Exception as exc:  # ASE raises many types for files it cannot parse
-            placeholder = _Item(f"{path}@{read}", str(path), read, Atoms())
-            message = f"cannot read {path} from frame {read} on: {type(exc).__name__}: {exc}"
-            unreadable.append(_Outcome(placeholder, None, ("unreadable", message)))
-    return items, unreadable
+            if alone is None:
+                alone = _frames_read_apart(source)
+            where = f"frame {frame} of {source}" if alone else f"{source} from frame {frame} on"
+            message = f"cannot read {where}: {type(exc).__name__}: {exc}"
+            placeholder = _Item(f"{source}@{frame}", source, frame, Atoms())
+            yield _Outcome(placeholder, None, ("unreadable", message))
+            if not alone:
+                return
+            start = frame + 1
+
+
+def _frames_read_apart(source: str) -> bool:
+    """Whether ASE can skip to the end of ``source`` without parsing (or failing on) a frame.
+
+    Only then does a read that starts after a failed frame get past it (and end), rather
+    than failing on the same spot again (a broken frame index, a single-structure format,
+    a reader that parses every frame on its way to a slice's start).
+    """
+    try:
+        past_the_end = ase.io.iread(source, index=slice(sys.maxsize, None))
+        return next(past_the_end, None) is None
+    except Exception:  # it fails before reaching any frame: the file cannot be read apart
+        return False
 
 
 def _batches(items: Sequence[_Item], max_atoms: int, max_structures: int) -> Iterator[list[_Item]]:
@@ -423,11 +487,26 @@ async def _evaluate_isolating(backend: _Backend, batch: list[_Item]) -> list[_Ou
                 for item in pending:  # the error names no structure: try each alone
                     outcomes += await _evaluate_isolating(backend, [item])
                 return outcomes
-            outcomes.append(_Outcome(pending[index], None, (exc.code, exc.message)))
+            message = _about_structure_alone(exc.message, index)
+            outcomes.append(_Outcome(pending[index], None, (exc.code, message)))
             del pending[index]
             continue
         return outcomes + [_Outcome(i, r) for i, r in zip(pending, results, strict=True)]
     return outcomes
+
+
+def _about_structure_alone(message: str, index: int) -> str:
+    """The evaluator's ``message`` about structure ``index`` of a batch, worded for that
+    structure's own row: its place in the batch means nothing there (after a rejection the
+    rest of a batch goes again, renumbered).
+
+    ``"structure 2: atoms 0 and 1 …"`` → ``"atoms 0 and 1 …"``,
+    ``"structures[2].positions: …"`` → ``"positions: …"``,
+    ``"evaluating structures[2] failed"`` → ``"evaluating the structure failed"``.
+    """
+    message = re.sub(rf"\bstructure {index}: ", "", message)
+    message = re.sub(rf"\bstructures\[{index}\]\.", "", message)
+    return re.sub(rf"\bstructures\[{index}\]", "the structure", message)
 
 
 class _RateColumn(ProgressColumn):
@@ -491,34 +570,38 @@ async def _screen(
     inputs: Sequence[Path], options: ScreenOptions, evaluator: Evaluator | None
 ) -> ScreenReport:
     started = time.perf_counter()
-    store = _ResultStore(options.output_dir)
-    items, unreadable = read_inputs(inputs)
-    finished = store.finished(options.retry_failed)
-    newly_unreadable = [o for o in unreadable if o.item.id not in finished]
-    for outcome in newly_unreadable:
-        store.record(outcome)
-    todo = [item for item in items if item.id not in finished]
-    backend: _Backend
-    if evaluator is not None:
-        backend = _LocalBackend(evaluator)
-    elif options.url is not None:
-        backend = _HttpBackend(options)
-    else:
-        from service.model.potential import load_potential
-
-        backend = _LocalBackend(load_potential(options.model, device=options.device))
-    try:
-        succeeded, failed = await _run(backend, store, todo, options)
-    finally:
-        await backend.aclose()
-        store.write_summary([item.id for item in items] + [o.item.id for o in unreadable])
-        store.close()
+    async with contextlib.AsyncExitStack() as cleanup:
+        # The backend first: a model file that does not load leaves no output folder behind.
+        backend = _backend(options, evaluator)
+        cleanup.push_async_callback(backend.aclose)
+        store = _ResultStore(options.output_dir)
+        cleanup.callback(store.close)
+        read = read_inputs(inputs)
+        finished = store.finished(options.retry_failed)
+        newly_unreadable = [o for o in read.unreadable if o.item.id not in finished]
+        for outcome in newly_unreadable:
+            store.record(outcome)
+        todo = [item for item in read.items if item.id not in finished]
+        try:
+            succeeded, failed = await _run(backend, store, todo, options)
+        finally:
+            store.write_summary(read.order)
     return ScreenReport(
-        total=len(items) + len(unreadable),
-        skipped=len(items) - len(todo) + len(unreadable) - len(newly_unreadable),
+        total=len(read.order),
+        skipped=len(read.order) - len(todo) - len(newly_unreadable),
         succeeded=succeeded,
         failed=failed + len(newly_unreadable),
         output=store.results_path,
         summary=store.summary_path,
         seconds=time.perf_counter() - started,
     )
+
+
+def _backend(options: ScreenOptions, evaluator: Evaluator | None) -> _Backend:
+    if evaluator is not None:
+        return _LocalBackend(evaluator)
+    if options.url is not None:
+        return _HttpBackend(options)
+    from service.model.potential import load_potential
+
+    return _LocalBackend(load_potential(options.model, device=options.device))

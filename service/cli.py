@@ -9,6 +9,7 @@ import orjson
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     name="so2serve",
@@ -20,7 +21,9 @@ _err = Console(stderr=True)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    _err.print(f"[bold red]error:[/] {message}")
+    # Escaped: messages carry paths and fields like "structures[2]" that rich reads as markup.
+    # One unwrapped line, so that logs and grep see the whole message.
+    _err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -125,6 +128,7 @@ def screen(
     an interrupted run resumes where it stopped."""
     from clients.screen import ScreenAborted, ScreenOptions
     from clients.screen import screen as run_screen
+    from service.model.errors import ModelConfigError, ModelFileError
 
     if url is not None and model is not None:
         raise _fail("give --url (a running service) or --model (in process), not both")
@@ -144,12 +148,12 @@ def screen(
     )
     try:
         report = run_screen(inputs, options)
-    except ScreenAborted as exc:
+    except (ScreenAborted, ModelFileError, ModelConfigError, OSError) as exc:
         raise _fail(str(exc)) from None
     _err.print(
         f"{report.total} structures: {report.succeeded} evaluated, {report.failed} failed, "
-        f"{report.skipped} already done, in {report.seconds:.1f} s → {report.output}, "
-        f"{report.summary}"
+        f"{report.skipped} already done, in {report.seconds:.1f} s → "
+        f"{escape(str(report.output))}, {escape(str(report.summary))}"
     )
 
 
@@ -163,14 +167,25 @@ def info(
 ) -> None:
     """Print the model's metadata (from a service with --url, else from the model file)."""
     if url is not None:
+        from ase.calculators.calculator import CalculationFailed
+
         from clients.http import SO2Calculator
 
-        with SO2Calculator(url, api_key=api_key, retries=0) as calc:
-            _print_json(calc.info())
+        try:  # ValueError: a URL that is not http(s)://host[:port]
+            with SO2Calculator(url, api_key=api_key, retries=0) as calc:
+                document = calc.info()
+        except (CalculationFailed, ValueError) as exc:
+            raise _fail(str(exc)) from None
+        _print_json(document)
         return
+    from service.model.errors import ModelConfigError, ModelFileError
     from service.model.potential import load_potential
 
-    _print_json(load_potential(model, device="cpu").info())
+    try:
+        potential = load_potential(model, device="cpu")
+    except (ModelFileError, ModelConfigError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    _print_json(potential.info())
 
 
 @app.command("import-deepmd")
@@ -186,7 +201,7 @@ def import_deepmd(
         config = import_deepmd_checkpoint(checkpoint, output)
     except (ModelFileError, UnsupportedCheckpointError, FileNotFoundError) as exc:
         raise _fail(str(exc)) from None
-    _err.print(f"wrote {output} ({', '.join(config.type_map)}; rcut {config.rcut} Å)")
+    _err.print(f"wrote {escape(str(output))} ({', '.join(config.type_map)}; rcut {config.rcut} Å)")
 
 
 def _register_training_commands() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,3 +175,131 @@ def test_resume_after_a_killed_run(inputs: list[Path], tmp_path: Path) -> None:
     evaluated_now = sum(n for n, _ in potential.calls[calls_before:])
     done_good = [d for d in done_before if "broken" not in d]
     assert evaluated_now == 8 - len(done_good)  # 8 evaluable structures, none computed twice
+
+
+def water_frames(n: int) -> list[Atoms]:
+    return [small_molecule("H2O", seed=k) for k in range(n)]
+
+
+def spoil_coordinate(path: Path, frame: int, text: str = "abc") -> None:
+    """Replace the first x coordinate of ``frame`` (3-atom frames: 5 lines each) by ``text``."""
+    lines = path.read_text().splitlines(keepends=True)
+    atom_line = 5 * frame + 2
+    symbol, _, *rest = lines[atom_line].split()
+    lines[atom_line] = " ".join([symbol, text, *rest]) + "\n"
+    path.write_text("".join(lines))
+
+
+def screen_locally(inputs: list[Path], out: Path, *, retry_failed: bool = False) -> tuple[int, ...]:
+    options = ScreenOptions(output_dir=out, retry_failed=retry_failed, progress=False)
+    report = screen(inputs, options, evaluator=PairPotential())
+    return report.total, report.succeeded, report.failed, report.skipped
+
+
+def test_a_malformed_frame_fails_alone(tmp_path: Path) -> None:
+    path = tmp_path / "six.extxyz"
+    ase.io.write(path, water_frames(6))
+    spoil_coordinate(path, 2)
+    out = tmp_path / "out"
+    assert screen_locally([path], out) == (6, 5, 1, 0)
+    rows = summary_rows(out)
+    assert [r["id"] for r in rows] == [f"{path}@{k}" for k in range(6)]
+    assert [r["status"] for r in rows] == ["ok", "ok", "failed", "ok", "ok", "ok"]
+    assert rows[2]["error_code"] == "unreadable"
+    assert rows[2]["error"] == (
+        f"cannot read frame 2 of {path}: ValueError: could not convert string to float: 'abc'"
+    )
+    frames = ase.io.read(out / RESULTS_FILE, index=":")
+    assert sorted(f.info["frame"] for f in frames) == [0, 1, 3, 4, 5]
+    # Resume: nothing again; with retry_failed only the bad frame, which fails the same way.
+    assert screen_locally([path], out) == (6, 0, 0, 6)
+    assert screen_locally([path], out, retry_failed=True) == (6, 0, 1, 5)
+    assert [r["status"] for r in summary_rows(out)] == ["ok", "ok", "failed", "ok", "ok", "ok"]
+
+
+def test_consecutive_malformed_frames_with_one_error_each_fail_alone(tmp_path: Path) -> None:
+    """The same parse error twice in a row is still about two frames, not the whole file."""
+    path = tmp_path / "five.extxyz"
+    ase.io.write(path, water_frames(5))
+    for frame in (1, 2, 4):
+        spoil_coordinate(path, frame, "*********")
+    out = tmp_path / "out"
+    assert screen_locally([path], out) == (5, 2, 3, 0)
+    rows = summary_rows(out)
+    assert [r["status"] for r in rows] == ["ok", "failed", "failed", "ok", "failed"]
+    assert [r["error"].split(":")[0] for r in rows if r["status"] == "failed"] == [
+        f"cannot read frame {k} of {path}" for k in (1, 2, 4)
+    ]
+
+
+def test_a_file_that_cannot_be_read_apart_is_one_failure(tmp_path: Path) -> None:
+    """A broken atom-count line spoils extxyz's frame index, and a single-structure format has
+    no next frame: one row for the rest of the file, and the run ends."""
+    bad_count = tmp_path / "bad_count.extxyz"
+    ase.io.write(bad_count, water_frames(4))
+    lines = bad_count.read_text().splitlines(keepends=True)
+    lines[10] = "three\n"  # frame 2's atom count
+    bad_count.write_text("".join(lines))
+    bad_poscar = tmp_path / "POSCAR"
+    bad_poscar.write_text("water\n1.0\n10 0 0\n0 10 0\n0 0 10\nO H\n1 two\nCartesian\n")
+    out = tmp_path / "out"
+    assert screen_locally([bad_count, bad_poscar], out) == (2, 0, 2, 0)
+    rows = summary_rows(out)
+    assert [r["id"] for r in rows] == [f"{bad_count}@0", f"{bad_poscar}@0"]
+    assert rows[0]["error"].startswith(f"cannot read {bad_count} from frame 0 on: XYZError")
+    assert rows[1]["error"].startswith(f"cannot read {bad_poscar} from frame 0 on")
+
+
+@pytest.mark.parametrize("through", ["service", "in process"])
+def test_a_rejected_structure_is_named_by_its_own_row(tmp_path: Path, through: str) -> None:
+    """After a rejection the rest of the batch goes again, renumbered: a row's message must not
+    carry a place in a batch (it used to read 'structure 2' for frame 3)."""
+    water = small_molecule("H2O")
+    uranium = Atoms("HU", positions=[[0, 0, 0], [2, 0, 0]])
+    clash = water.copy()
+    clash.positions[1] = clash.positions[0]
+    path = tmp_path / "in.extxyz"
+    ase.io.write(path, [water, uranium, water, clash, water])
+    out = tmp_path / "out"
+    potential = PairPotential(refuses_coincident_atoms=True)
+    if through == "service":
+        with running_server(create_app(ServiceSettings(), evaluator=potential)) as url:
+            screen([path], ScreenOptions(output_dir=out, url=url, progress=False))
+    else:
+        screen([path], ScreenOptions(output_dir=out, progress=False), evaluator=potential)
+    errors = {int(r["frame"]): r["error"] for r in summary_rows(out) if r["status"] == "failed"}
+    assert set(errors) == {1, 3}
+    assert "atoms 0 and 1 (image [0, 0, 0]) are coincident" in errors[3]
+    assert "Z=92" in errors[1]
+    for message in errors.values():
+        assert re.search(r"structures?\W*\d", message) is None, message
+
+
+def test_an_address_that_is_no_service_url_aborts(tmp_path: Path) -> None:
+    path = tmp_path / "in.extxyz"
+    ase.io.write(path, water_frames(1))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["screen", str(path), "--url", "localhost", "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "error: expected an http:// or https:// service URL, got 'localhost'" in result.output
+    assert not out.exists()
+
+
+def test_a_model_that_does_not_load_stops_before_any_output(tmp_path: Path) -> None:
+    path = tmp_path / "in.extxyz"
+    ase.io.write(path, water_frames(1))
+    out = tmp_path / "out"
+    missing = tmp_path / "missing.safetensors"
+    result = CliRunner().invoke(app, ["screen", str(path), "--model", str(missing), "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and "missing.safetensors" in result.output
+    assert "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_an_output_folder_that_is_a_file_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "in.extxyz"
+    ase.io.write(path, water_frames(1))
+    result = CliRunner().invoke(app, ["screen", str(path), "-o", str(path), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and "File exists" in result.output

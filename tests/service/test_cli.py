@@ -1,4 +1,5 @@
-"""The so2serve command line (serve's refusals, info); screen is tested in tests/clients."""
+"""The so2serve command line (serve's refusals, info, errors as one line); screen is tested in
+tests/clients."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import SecretStr
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from service.api import ServiceSettings, create_app
 from service.cli import app
-from tests.service.fakes import PairPotential, running_server
+from tests.service.fakes import PairPotential, free_port_socket, running_server
 
 
 def test_serve_refuses_an_exposed_host_without_a_key() -> None:
@@ -48,3 +49,43 @@ def test_info_from_a_model_file(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
     assert info["elements"] == ["H", "O"] and info["rcut"] == pytest.approx(6.0)
+
+
+def assert_one_line_error(result: Result, *parts: str) -> None:
+    """Exit 2 with one ``error: …`` line (no traceback) that contains ``parts``."""
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+    for part in parts:
+        assert part in result.output
+
+
+def test_info_reports_a_missing_model_file(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.safetensors"
+    result = CliRunner().invoke(app, ["info", "--model", str(missing)])
+    assert_one_line_error(result, "not found", str(missing))
+
+
+def test_info_reports_a_corrupt_model_file(tmp_path: Path) -> None:
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"this is not a safetensors file")
+    result = CliRunner().invoke(app, ["info", "--model", str(corrupt)])
+    assert_one_line_error(result, str(corrupt))
+
+
+def test_info_reports_an_unreachable_service() -> None:
+    with free_port_socket() as sock:  # bound, not listening: the connection is refused
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        result = CliRunner().invoke(app, ["info", "--url", url])
+    assert_one_line_error(result, f"so2serve at {url} unreachable")
+
+
+def test_info_reports_a_url_that_is_not_http() -> None:
+    result = CliRunner().invoke(app, ["info", "--url", "ftp://example.org"])
+    assert_one_line_error(result, "expected an http:// or https:// URL, got 'ftp://example.org'")
+
+
+def test_error_messages_are_not_read_as_markup(tmp_path: Path) -> None:
+    missing = tmp_path / "[red]" / "[/x].safetensors"
+    result = CliRunner().invoke(app, ["info", "--model", str(missing)])
+    assert_one_line_error(result, str(missing))
