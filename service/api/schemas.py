@@ -137,7 +137,9 @@ class StructureResult(BaseModel):
 
 class ModelRef(BaseModel):
     name: str
-    sha256: str = Field(description="content hash of the model's weights")
+    sha256: str = Field(
+        description="the model's identity: sha256 over its weights' hash and canonical config"
+    )
 
 
 class Execution(BaseModel):

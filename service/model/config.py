@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -72,10 +73,16 @@ class ModelConfig:
     """Free-form annotations (e.g. the DeePMD option values seen on import); not architectural."""
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
+        # Normalise accepted numeric kinds (numpy scalars, JSON ints for reals) to plain Python
+        # values so that equality, hashing and the JSON form do not depend on the input's kinds.
+        for name in _INT_FIELDS:
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in _REAL_FIELDS:
+            object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "type_map", tuple(str(s) for s in self.type_map))
-        object.__setattr__(self, "radial_mlp", tuple(int(w) for w in self.radial_mlp))
-        object.__setattr__(self, "fitting_neurons", tuple(int(w) for w in self.fitting_neurons))
-        object.__setattr__(self, "env_exponents", tuple(int(p) for p in self.env_exponents))
+        for name in _INT_TUPLE_FIELDS:
+            object.__setattr__(self, name, tuple(int(w) for w in getattr(self, name)))
         _validate(self)
 
     @property
@@ -155,8 +162,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        if not isinstance(data, dict):
+            raise ModelConfigError(f"model config must be an object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(key) for key in set(data) - known)
         if unknown:
             raise ModelConfigError(f"unknown model config field(s): {', '.join(unknown)}")
         if "type_map" not in data:
@@ -180,6 +189,53 @@ class ModelConfig:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ModelConfigError(message)
+
+
+_INT_FIELDS = (
+    "n_radial", "channels", "lmax", "n_blocks", "mixing_layers", "n_focus", "focus_dim",
+    "radial_so2_rank", "n_atten_head", "ffn_neurons", "ffn_blocks",
+)  # fmt: skip
+_INT_TUPLE_FIELDS = ("radial_mlp", "fitting_neurons", "env_exponents")
+_REAL_FIELDS = ("rcut", "version", "eps")
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; a JSON ``true`` where a width belongs is a mistake, not a 1.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_field_types(cfg: ModelConfig) -> None:
+    """Reject wrongly typed fields before any arithmetic on them can raise a bare TypeError
+    (or silently truncate ``64.5`` channels to 64)."""
+    type_map: object = cfg.type_map
+    _require(
+        isinstance(type_map, list | tuple) and all(isinstance(s, str) for s in type_map),
+        f"type_map must be a list of element symbols, got {type_map!r}",
+    )
+    for name in _INT_FIELDS:
+        value = getattr(cfg, name)
+        _require(_is_int(value), f"{name} must be an integer, got {value!r}")
+    for name in _INT_TUPLE_FIELDS:
+        value = getattr(cfg, name)
+        _require(
+            isinstance(value, list | tuple) and all(_is_int(w) for w in value),
+            f"{name} must be a list of integers, got {value!r}",
+        )
+    for name in _REAL_FIELDS:
+        value = getattr(cfg, name)
+        _require(_is_real(value), f"{name} must be a number, got {value!r}")
+    for name in ("basis", "radial_so2_mode", "ffn"):
+        value = getattr(cfg, name)
+        _require(isinstance(value, str), f"{name} must be a string, got {value!r}")
+    _require(
+        isinstance(cfg.use_env_seed, bool),
+        f"use_env_seed must be true or false, got {cfg.use_env_seed!r}",
+    )
+    _require(isinstance(cfg.extra, dict), f"extra must be an object, got {cfg.extra!r}")
 
 
 def _validate(cfg: ModelConfig) -> None:
@@ -225,7 +281,7 @@ def _validate(cfg: ModelConfig) -> None:
     _require(cfg.version in (1.0, 1.1), f"version must be 1.0 or 1.1, got {cfg.version}")
     _require(len(cfg.env_exponents) == 2, "env_exponents must be [rbf_p, edge_p]")
     _require(all(p >= 1 for p in cfg.env_exponents), "env_exponents must be >= 1")
-    _require(cfg.eps > 0, "eps must be > 0")
+    _require(math.isfinite(cfg.eps) and cfg.eps > 0, f"eps must be finite and > 0, got {cfg.eps}")
 
 
 _PRESETS: dict[str, dict[str, Any]] = {

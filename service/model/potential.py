@@ -486,7 +486,7 @@ def load_potential(
     doc = net.file_metadata or {}
     meta = PotentialMetadata(
         name=file.stem,
-        sha256=str(doc.get("weights_sha256", "")),
+        sha256=str(doc["model_sha256"]),
         elements=net.config.type_map,
         rcut=net.config.rcut,
         config=net.config,
