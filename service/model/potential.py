@@ -117,10 +117,26 @@ class PotentialMetadata:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` → CUDA when available, else CPU."""
-    if str(device) == "auto":
+    """``"auto"`` → CUDA when available, else CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` as given.
+    Anything else, or a CUDA device this machine does not have, is a ``ValueError`` that says
+    so (torch's own errors here are a RuntimeError or an assertion deep in the first kernel)."""
+    name = str(device)
+    if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(name)
+    except RuntimeError:
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: CUDA is not available on this machine")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return resolved
 
 
 def resolve_path(config: ModelConfig, device: torch.device, path: str) -> str:

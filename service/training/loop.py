@@ -34,7 +34,7 @@ from ase.data import atomic_numbers
 from service.model.config import preset
 from service.model.dpa4 import DPA4Model
 from service.model.io import load_model, save_model
-from service.model.potential import Potential, Prediction
+from service.model.potential import Potential, Prediction, resolve_device
 from service.training.config import ConfigError, DataConfig, TrainConfig
 from service.training.data import (
     DataError,
@@ -217,15 +217,6 @@ def initialize_energy_bias(
     with torch.no_grad():
         bias.sub_(totals / counts.clamp_min(1.0))
     return dict(zip(model_types, bias.tolist(), strict=True))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"run.device={name!r} but CUDA is not available")
-    return device
 
 
 # Loss

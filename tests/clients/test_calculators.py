@@ -133,6 +133,14 @@ def test_a_non_finite_in_process_result_raises_calculation_failed() -> None:
         atoms.get_potential_energy()
 
 
+@pytest.mark.parametrize("device", ["gpu7", "mps", "cuda:99"])
+def test_an_unusable_device_is_a_value_error(device: str, tiny_model_file: Path) -> None:
+    if device == "cuda:99" and not torch.cuda.is_available():
+        device = "cuda"  # on a CPU-only machine any CUDA device is unusable
+    with pytest.raises(ValueError, match="device"):
+        SO2LocalCalculator(tiny_model_file, device=device)
+
+
 def test_unreachable_service_fails_after_retries() -> None:
     sock = free_port_socket()
     port = sock.getsockname()[1]

@@ -89,3 +89,13 @@ def test_error_messages_are_not_read_as_markup(tmp_path: Path) -> None:
     missing = tmp_path / "[red]" / "[/x].safetensors"
     result = CliRunner().invoke(app, ["info", "--model", str(missing)])
     assert_one_line_error(result, str(missing))
+
+
+def test_screen_reports_a_device_this_machine_lacks(tmp_path: Path) -> None:
+    inputs = tmp_path / "in.xyz"
+    inputs.write_text("1\n\nH 0 0 0\n")
+    result = CliRunner().invoke(app, ["screen", str(inputs), "-o", str(tmp_path / "out"),
+                                      "--device", "gpu7"])  # fmt: skip
+    assert result.exit_code == 2
+    assert "device" in result.output
+    assert not (tmp_path / "out").exists()
