@@ -5,16 +5,12 @@ descriptor kernel they are meant to replace. None of them is faster (H200, torch
 3.6, bar case; ``results/gluon_stack_probe_20261130T111110Z.json``, one call timing all four
 side by side), so nothing of this ships in ``so2kernels``:
 
-=================  ======  ==============  ==============  ==============
-block GEMM         Triton  v1              v2              v3
-=================  ======  ==============  ==============  ==============
-gated |m|=1        4.72    5.45 (0.87×)    5.85 (0.81×)    5.44 (0.87×)
-gated m=0          3.00    3.04 (0.99×)    3.12 (0.96×)    3.11 (0.97×)
-final |m|=1        4.20    4.09 (1.03×)    4.16 (1.01×)    3.98 (1.05×)
-final m=0          2.57    2.65 (0.97×)    2.57 (1.00×)    2.75 (0.93×)
-=================  ======  ==============  ==============  ==============
+- gated |m|=1: Triton 4.72 ms; v1 5.45 (0.87×), v2 5.85 (0.81×), v3 5.44 (0.87×)
+- gated m=0: Triton 3.00 ms; v1 3.04 (0.99×), v2 3.12 (0.96×), v3 3.11 (0.97×)
+- final |m|=1: Triton 4.20 ms; v1 4.09 (1.03×), v2 4.16 (1.01×), v3 3.98 (1.05×)
+- final m=0: Triton 2.57 ms; v1 2.65 (0.97×), v2 2.57 (1.00×), v3 2.75 (0.93×)
 
-(ms; errors vs float64 identical to the Triton kernel's in every variant, outputs equal or within
+(Errors vs float64 identical to the Triton kernel's in every variant, outputs equal or within
 8e-8; v3 also checked at odd sizes.) Neither keeping products in flight (v2) nor halving the
 weight traffic per edge (v3) moved the gated |m|=1 GEMM, whose epilogue (store z, load u and
 σ, store the activation) is the heaviest.
@@ -107,6 +103,7 @@ from so2kernels._dispatch import UnsupportedInputError
 from so2kernels._layout import block_widths, row_width
 from so2kernels.mixing_stack_kernels import (
     StackPrecision,
+    _split_fp16x3,
     block_fwd_desc_kernel,
     desc_block_k,
     persistent_grid,
@@ -187,15 +184,6 @@ def _tile_origin(tile, n_edge, N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: 
     focus = tile // per_focus
     local = tile - focus * per_focus
     return focus, (local // col_tiles) * BLOCK_M, (local % col_tiles) * BLOCK_N
-
-
-@gluon.jit
-def _split_fp16x3(x):
-    """fp16 head and ``2^11``-scaled fp16 tail of ``2^-4·x`` (the Triton kernels' split)."""
-    scaled = x * 0.0625
-    head = scaled.to(gl.float16)
-    tail = ((scaled - head.to(gl.float32)) * 2048.0).to(gl.float16)
-    return head, tail
 
 
 @gluon.jit

@@ -602,6 +602,10 @@ def _backend(options: ScreenOptions, evaluator: Evaluator | None) -> _Backend:
         return _LocalBackend(evaluator)
     if options.url is not None:
         return _HttpBackend(options)
-    from service.model.potential import load_potential
+    from service.model.potential import load_potential, resolve_device
 
-    return _LocalBackend(load_potential(options.model, device=options.device))
+    try:  # a device this machine lacks aborts the run (the model file is not at fault)
+        device = resolve_device(options.device)
+    except ValueError as exc:
+        raise ScreenAborted(str(exc)) from None
+    return _LocalBackend(load_potential(options.model, device=device))

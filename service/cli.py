@@ -132,13 +132,6 @@ def screen(
 
     if url is not None and model is not None:
         raise _fail("give --url (a running service) or --model (in process), not both")
-    if url is None:  # in process: refuse a device this machine lacks before any output exists
-        from service.model.potential import resolve_device
-
-        try:
-            resolve_device(device)
-        except ValueError as exc:
-            raise _fail(str(exc)) from None
     options = ScreenOptions(
         output_dir=out,
         url=url,

@@ -529,9 +529,9 @@ def block_fwd_kernel(
     M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # edges per tile
+    BLOCK_N: tl.constexpr,  # output columns per tile
+    BLOCK_K: tl.constexpr,  # reduction step
 ):
     """One exact-tier block GEMM of a layer, ``z = u[:, blk] @ W[layer, f]``, with the layer's
     epilogue (the fast tier's is :func:`block_fwd_desc_kernel`).
@@ -578,9 +578,9 @@ def block_fwd_desc_kernel(
     M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # edges per tile
+    BLOCK_N: tl.constexpr,  # output columns per tile
+    BLOCK_K: tl.constexpr,  # reduction step
 ):
     """Fast-tier :func:`block_fwd_kernel` on a persistent grid, operands fed by descriptors
     (:func:`_desc_matmul`); the programs stride over the flat tiles of :func:`_flat_tile`."""
@@ -783,9 +783,9 @@ def gate_bwd_split_kernel(
     FD: tl.constexpr,
     HAS_GZ_UP: tl.constexpr,
     RECOVER: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # edges per tile
+    BLOCK_N: tl.constexpr,  # output columns per tile
+    BLOCK_K: tl.constexpr,  # reduction step
 ):
     """Fast-tier :func:`gate_bwd_kernel`: adds the z_all cotangent, stores ``gz`` split."""
     _gate_rows_bwd(
@@ -872,9 +872,9 @@ def scalar_bwd_split_kernel(
     FD: tl.constexpr,
     HAS_GZ_UP: tl.constexpr,
     RECOVER: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # edges per tile
+    BLOCK_N: tl.constexpr,  # output columns per tile
+    BLOCK_K: tl.constexpr,  # reduction step
 ):
     """Fast-tier :func:`scalar_bwd_kernel`: adds the z_all cotangent, stores ``gz`` split."""
     _scalar_rows_bwd(
@@ -973,9 +973,9 @@ def block_bwd_kernel(
     M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # edges per tile
+    BLOCK_N: tl.constexpr,  # output columns per tile
+    BLOCK_K: tl.constexpr,  # reduction step
 ):
     """Exact-tier residual backward of one block: ``g_in = g_out + gz @ Wᵀ`` (the fast tier's is
     :func:`block_bwd_desc_kernel`).
@@ -1027,9 +1027,9 @@ def block_bwd_desc_kernel(
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
     ALPHA_PARTIALS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # edges per tile
+    BLOCK_N: tl.constexpr,  # output columns per tile
+    BLOCK_K: tl.constexpr,  # reduction step
 ):
     """Fast-tier residual backward of one block on a persistent grid (tiles as
     :func:`_flat_tile`), operands fed by descriptors (:func:`_desc_matmul`).
