@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh gauss|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -79,11 +79,6 @@ case "$topic" in
     STEP_S=110 run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/graph/test_sync_free.py tests/graph/test_pair_search.py tests/model/test_fast_tier.py
     STEP_S=130 run python3 -m pytest -q -m "gpu and not slow" tests/kernels/test_mixing_stack.py
     STEP_S=100 run python3 benchmarks/model.py --cases bar:192,1536 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
-    ;;
-  gauss)  # the |m|=1 block in three products (fast tier): its gpu tests, the bar with the dense form beside it, then the tile sweep of the new kernels and the bar again (~9 min)
-    STEP_S=150 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py tests/model/test_fast_tier.py -k "not int64"
-    STEP_S=150 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile --dense-m1
-    STEP_S=250 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile --sweep --sweep-cases bar --sweep-precisions fp16x3 --sweep-kinds fwd3 bwd3 fbwd3
     ;;
   closing)  # last call of a session (~5.5 min): the service (paired overhead, steady-window crowd), then the gpu tests of the replay, the stack's capture, golden systems and served checkpoints
     STEP_S=170 run python3 benchmarks/service.py --device cuda --quick --phases in_process engine http throughput

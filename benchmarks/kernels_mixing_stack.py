@@ -7,10 +7,6 @@ Usage (on the GPU machine, from the repository root)::
     python benchmarks/kernels_mixing_stack.py --sweep         # tune tiles, write table, bench
     python benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile  # + ms per kernel
 
-The block weights are random, with the |m|=1 block assembled as the model assembles it
-(``[[Wu, Wv], [-Wv, Wu]]``), so the fast tier takes its three-product form; ``--dense-m1`` also
-times the fast tier's dense |m|=1 product on the same weights (``fused_fast_dense``).
-
 Per case and implementation: forward and forward+backward (the force path: gradients of u0 and
 alpha) in ms (``triton.testing.do_bench`` median), achieved TFLOP/s, peak memory, and the
 normwise relative error of ``x_local`` and ``grad_u0`` against float64 on sampled edges (the
@@ -20,7 +16,7 @@ forward+backward step (``kernels_ms``). Results go to
 ``benchmarks/results/kernels_mixing_stack_<date>.json``.
 
 ``--sweep`` times candidate launch tiles per kernel family (``fwd``, ``gate``, ``bwd``, and for
-fp16x3 ``fbwd`` and the three-product |m|=1 kernels ``fwd3``, ``bwd3``, ``fbwd3``) and
+fp16x3 ``fbwd``) and
 precision, keeps only candidates whose outputs are finite and within tolerance of float64 (some
 pipelined fp16 configurations are known to miscompile into NaN rows), and writes the winners to
 ``so2kernels/tables/mixing_stack_<gpu>.json``. Re-run it after any kernel edit.
@@ -108,43 +104,20 @@ def make_operands(case: Case, seed: int = 0) -> list[torch.Tensor]:
     logits = torch.randn(e, f, device="cuda", generator=gen)
     alpha = 0.98 * torch.softmax(logits, dim=1) + 0.02 / f
     w0 = torch.randn(n, f, m0, m0, device="cuda", generator=gen) / math.sqrt(m0)
-    # The |m|=1 block as the model assembles it, [[Wu, Wv], [-Wv, Wu]].
-    w_u, w_v = torch.randn(2, n, f, gate, gate, device="cuda", generator=gen) / math.sqrt(m1)
-    w1 = torch.cat([torch.cat([w_u, w_v], -1), torch.cat([-w_v, w_u], -1)], -2).contiguous()
+    w1 = torch.randn(n, f, m1, m1, device="cuda", generator=gen) / math.sqrt(m1)
     gw = torch.randn(n - 1, f, case.focus_dim, gate, device="cuda", generator=gen)
     return [u0, alpha, w0, w1, gw / math.sqrt(case.focus_dim)]
-
-
-def without_block_structure(w1: torch.Tensor) -> torch.Tensor:
-    """``w1`` with one entry moved by one ulp: the op can no longer take the three-product
-    |m|=1 form, so the fast tier runs its dense product on (numerically) the same weights."""
-    nudged = w1.clone()
-    first = nudged.view(-1)[:1]
-    first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))
-    return nudged
 
 
 StackFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def implementations(
-    case: Case, with_compile: bool, dense_w1: torch.Tensor | None = None
-) -> dict[str, StackFn]:
-    """Implementations by name; with ``dense_w1`` (:func:`without_block_structure`) also
-    ``fused_fast_dense``, the fast tier's dense |m|=1 product on that weight instead."""
-
+def implementations(case: Case, with_compile: bool) -> dict[str, StackFn]:
     def fused(precision: str) -> StackFn:
         def run(*ops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return so2_mixing_stack(*ops, case.lmax, case.focus_dim, True, precision)
 
         return run
-
-    def fused_dense(*ops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert dense_w1 is not None
-        u0, alpha, w0, _w1, gw = ops
-        return so2_mixing_stack(
-            u0, alpha, w0, dense_w1, gw, case.lmax, case.focus_dim, True, "fp16x3"
-        )
 
     def reference(*ops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return mixing_stack_reference(*ops, case.lmax, case.focus_dim, True)
@@ -154,8 +127,6 @@ def implementations(
         "fused_fast": fused("fp16x3"),
         "eager_reference": reference,
     }
-    if dense_w1 is not None:
-        impls["fused_fast_dense"] = fused_dense
     if with_compile:
         # Each case compiles afresh: the reference's code object would otherwise hit Dynamo's
         # recompile limit after four cases and run eager under the "compiled" label.
@@ -275,23 +246,11 @@ _FAST_CANDIDATES = [
     TileConfig(64, 128, 32, 4, 3), TileConfig(64, 64, 32, 4, 3), TileConfig(128, 128, 64, 8, 3),
     TileConfig(128, 128, 32, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(64, 128, 64, 4, 3),
 ]  # fmt: skip
-# The three-product |m|=1 kernels hold three accumulators, so their candidates are the narrow
-# tiles (offline sm_90: 64x64x32/4w 242-254 registers, 128x64x32/8w 195-250, no spills).
-_GAUSS_CANDIDATES = [
-    TileConfig(64, 64, 32, 4, 3), TileConfig(128, 64, 32, 8, 3), TileConfig(64, 64, 32, 4, 4),
-    TileConfig(128, 32, 32, 4, 3), TileConfig(64, 32, 32, 4, 3), TileConfig(64, 64, 64, 4, 2),
-]  # fmt: skip
 _KINDS = {
     StackPrecision.EXACT: ("fwd", "gate", "bwd"),
-    StackPrecision.FAST: ("fwd", "gate", "bwd", "fbwd", "fwd3", "bwd3", "fbwd3"),
+    StackPrecision.FAST: ("fwd", "gate", "bwd", "fbwd"),
 }
 """Kernel families per tier (see ``so2kernels.mixing_stack_kernels.table_key``)."""
-
-
-def _candidates(kind: str, precision: StackPrecision) -> list[TileConfig]:
-    if precision is StackPrecision.EXACT:
-        return _EXACT_CANDIDATES
-    return _GAUSS_CANDIDATES if kind.endswith("3") else _FAST_CANDIDATES
 
 
 def _write_table(path: Path, configs: dict[str, list[int]], meta: dict[str, object]) -> None:
@@ -331,18 +290,13 @@ def _timed_if_valid(
 
 
 def sweep(
-    cases: list[Case],
-    n_edge: int,
-    meta: dict[str, object],
-    precisions: list[StackPrecision],
-    kinds: list[str] | None = None,
+    cases: list[Case], n_edge: int, meta: dict[str, object], precisions: list[StackPrecision]
 ) -> Path:
     """Pick per (kind, Cf, lmax, precision) the fastest validated tile; write the GPU's table.
 
     Kinds are tuned in order (block GEMMs by the forward time; the gate GEMMs, which the
     backward launches too, and the backward by the fwd+bwd time), each with the winners so far
-    in place. Entries of tiers (or, with ``kinds``, of kernel families) not swept this time are
-    kept from the existing table.
+    in place. Entries of tiers not swept this time are kept from the existing table.
     """
     gpu = torch.cuda.get_device_name().lower().replace(" ", "_")
     out_path = kernels.TABLE_DIR / f"mixing_stack_{gpu}.json"
@@ -362,15 +316,13 @@ def sweep(
         case = Case(f"sweep_l{lmax}_cf{focus_dim}", lmax, focus_dim, n_focus, n_edge)
         ops = make_operands(case, seed=1)
         for precision in precisions:
+            candidates = _FAST_CANDIDATES if precision is StackPrecision.FAST else _EXACT_CANDIDATES
             for kind in _KINDS[precision]:
-                if kinds is not None and kind not in kinds:
-                    continue
                 key = table_key(kind, focus_dim, lmax, precision)
                 best: tuple[float, TileConfig] | None = None
-                for cfg in _candidates(kind, precision):
+                for cfg in candidates:
                     _write_table(scratch, {**table, key: list(astuple(cfg))}, meta)
-                    backward = kind not in ("fwd", "fwd3")
-                    ms = _timed_if_valid(case, precision, ops, backward=backward)
+                    ms = _timed_if_valid(case, precision, ops, backward=kind != "fwd")
                     print(f"  sweep {key} {cfg}: {ms} ms", flush=True)
                     if ms is not None and (best is None or ms < best[0]):
                         best = (ms, cfg)
@@ -406,15 +358,6 @@ def main() -> None:
         help="shapes to tune: the bar case (Cf 128, lmax 2), plus the shipped default model's "
         "(Cf 64, lmax 2) with 'served', or every benchmarked shape",
     )
-    parser.add_argument(
-        "--sweep-kinds", nargs="+", default=None,
-        choices=sorted({k for kinds in _KINDS.values() for k in kinds}),
-        help="kernel families to tune (default: every family of each swept tier)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--dense-m1", action="store_true",
-        help="also time the fast tier's dense |m|=1 product (fused_fast_dense)",
-    )  # fmt: skip
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     # A compiled reference past Dynamo's recompile limit must fail, not time eager code.
@@ -435,7 +378,7 @@ def main() -> None:
     if args.sweep:
         tuned = all_cases(args.sweep_cases, args.sweep_edges)
         tiers = [StackPrecision.parse(p) for p in args.sweep_precisions]
-        meta["table"] = str(sweep(tuned, args.sweep_edges, meta, tiers, args.sweep_kinds))
+        meta["table"] = str(sweep(tuned, args.sweep_edges, meta, tiers))
     rows = []
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -443,8 +386,7 @@ def main() -> None:
     for case in cases:
         ops = make_operands(case)
         row: dict[str, object] = {"case": case.name, **case.__dict__}
-        dense_w1 = without_block_structure(ops[3]) if args.dense_m1 else None
-        for name, fn in implementations(case, not args.no_compile, dense_w1).items():
+        for name, fn in implementations(case, not args.no_compile).items():
             result = bench_impl(case, fn, ops)
             if args.profile and name.startswith("fused") and "error" not in result:
                 result["kernels_ms"] = kernel_profile(case, fn, ops)
@@ -452,7 +394,7 @@ def main() -> None:
             print(case.name, name, json.dumps(result), flush=True)
         exact = row["fused_exact"]
         for mode in ("fwd_ms", "fwd_bwd_ms"):
-            for name in ("fused_fast", "fused_fast_dense", "eager_reference", "compiled_reference"):
+            for name in ("fused_fast", "eager_reference", "compiled_reference"):
                 other = row.get(name)
                 if (
                     isinstance(other, dict)

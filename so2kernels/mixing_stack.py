@@ -48,11 +48,8 @@ from so2kernels.mixing_stack_kernels import (
     StackPrecision,
     block_fwd_desc_kernel,
     block_fwd_kernel,
-    block_m1_gauss_fwd_kernel,
     desc_block_k,
     gate_fwd_kernel,
-    gauss_operands,
-    gauss_tile,
     persistent_grid,
     row_descriptor,
     tile_config,
@@ -176,9 +173,7 @@ def _mixing_stack_fused(
     scalar SiLU rows), the gate GEMM (sigmoids from the scalar rows; completes the l>=1 m=0 rows
     and keeps the sigmoids), then the |m|=1 block GEMM (writes its z rows, gates them, adds the
     residual). The identity layer is one GEMM per block, storing ``(u + u@W)·alpha`` edge-major.
-    The fast tier's block GEMMs run on persistent grids with descriptor-fed operands, and its
-    |m|=1 GEMMs take the three-product form when the weight has the model's structure
-    (:func:`~so2kernels.mixing_stack_kernels.gauss_operands`).
+    The fast tier's block GEMMs run on persistent grids with descriptor-fed operands.
     """
     act, alpha, w0_all, w1_all, gw_all = operands
     n_focus, n_edge, row = act.shape
@@ -201,8 +196,6 @@ def _mixing_stack_fused(
 
     lin_meta, gate_meta = meta(lin_tile), meta(gate_tile)
     blk0, blk1, proj = (weight_operands(w, tier) for w in (w0_all, w1_all, gw_all))
-    blk1_gauss = gauss_operands(w1_all) if fast else None
-    gauss = lin_tile if blk1_gauss is None else gauss_tile("fwd", focus_dim, lmax, act.device)
 
     def launch_grid(cols: int, tile: Any) -> tuple[int, int]:
         tiles_e = triton.cdiv(n_edge, tile.block_m)
@@ -222,17 +215,6 @@ def _mixing_stack_fused(
             linear[launch_grid(width, lin_tile)](
                 src, weights[0], z_all, sig, alpha, out, n_edge, layer, **final, **lin_meta
             )
-            return
-        if upper and blk1_gauss is not None:
-            flags = {k: v for k, v in final.items() if k != "M1_BLOCK"}
-            block_k = desc_block_k(gate_width, gauss)
-            n_tiles = launch_grid(gate_width, gauss)[0] * n_focus
-            wrap_triton(block_m1_gauss_fwd_kernel)[persistent_grid(n_tiles, gauss, act.device)](
-                row_descriptor(src, gauss.block_m, block_k),
-                *weight_descriptors(blk1_gauss, block_k, gauss.block_n),
-                src, z_all, sig, alpha, out, n_edge, n_focus, layer, **flags,
-                **{**meta(gauss), "BLOCK_K": block_k},
-            )  # fmt: skip
             return
         block_k = desc_block_k(width, lin_tile)
         n_tiles = launch_grid(width, lin_tile)[0] * n_focus

@@ -44,13 +44,10 @@ from so2kernels.mixing_stack_kernels import (
     TileConfig,
     block_bwd_desc_kernel,
     block_bwd_kernel,
-    block_m1_gauss_bwd_kernel,
     desc_block_k,
     edge_major_descriptor,
     gate_bwd_kernel,
     gate_bwd_split_kernel,
-    gauss_operands,
-    gauss_tile,
     persistent_grid,
     row_descriptor,
     scalar_bwd_kernel,
@@ -221,13 +218,6 @@ class _Launcher:
         fast = precision is StackPrecision.FAST
         return cls(n_edge, n_focus, args.lmax, args.focus_dim, cfg, fast)
 
-    @classmethod
-    def of_gauss(cls, kind: str, args: StackBwdArgs) -> _Launcher:
-        """The three-product |m|=1 kernel standing in for kind ``kind`` (fast tier)."""
-        n_focus, n_edge = args.u0.shape[:2]
-        cfg = gauss_tile(kind, args.focus_dim, args.lmax, args.u0.device)
-        return cls(n_edge, n_focus, args.lmax, args.focus_dim, cfg, True)
-
     @property
     def meta_no_fast(self) -> dict[str, Any]:
         """Launch arguments of the kernels that are one tier's only (no ``FAST`` flag)."""
@@ -241,7 +231,7 @@ class _Launcher:
         width: int,
         layer: int,
         pointers: tuple[Tensor, ...],
-        flags: dict[str, Any],
+        flags: dict[str, bool],
     ) -> None:
         """One fast-tier residual GEMM of :func:`block_bwd_desc_kernel` over a ``width``-wide
         block: A is ``a`` through ``describe(a, block_m, block_k)``; ``pointers`` = (output
@@ -257,35 +247,13 @@ class _Launcher:
             **{**self.meta_no_fast, "BLOCK_K": block_k},
         )  # fmt: skip
 
-    def gauss_residual(
-        self,
-        describe: Callable[[Tensor, int, int], Any],
-        a: Tensor,
-        planes: tuple[Tensor, Tensor],
-        layer: int,
-        pointers: tuple[Tensor, ...],
-        flags: dict[str, Any],
-    ) -> None:
-        """The |m|=1 residual GEMM of :meth:`residual` in three products
-        (:func:`block_m1_gauss_bwd_kernel`, weights from ``gauss_operands``)."""
-        if self.n_edge == 0:
-            return
-        cfg, half = self.cfg, self.meta["L"] * self.meta["FD"]
-        block_k = desc_block_k(half, cfg)
-        n_tiles = self.grid(half)[0] * self.n_focus
-        wrap_triton(block_m1_gauss_bwd_kernel)[persistent_grid(n_tiles, cfg, a.device)](
-            describe(a, cfg.block_m, block_k), *weight_descriptors(planes, block_k, cfg.block_n),
-            *pointers, self.n_edge, self.n_focus, layer, **flags,
-            **{**self.meta_no_fast, "BLOCK_K": block_k},
-        )  # fmt: skip
-
     def grid(self, width: int) -> tuple[int, int]:
         tiles = triton.cdiv(self.n_edge, self.cfg.block_m) * triton.cdiv(width, self.cfg.block_n)
         return tiles, self.n_focus
 
-    def slots(self, width: int) -> int:
-        """Column tiles over a ``width``-wide block: its per-edge partial slots."""
-        return int(triton.cdiv(width, self.cfg.block_n))
+    def slots(self, m0: int, m1: int) -> int:
+        """Column tiles of both blocks: the per-edge partial slots of ``ALPHA_PARTIALS``."""
+        return int(triton.cdiv(m0, self.cfg.block_n) + triton.cdiv(m1, self.cfg.block_n))
 
 
 def _final_layer_weight_grads(args: StackBwdArgs, m0: int) -> tuple[Tensor, Tensor]:
@@ -392,36 +360,15 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     gate_run = _Launcher.of("gate", args, precision)
     w0t, w1t, gws, gwts = _backward_weights(args, precision)
 
-    # The |m|=1 GEMMs in three products when W1 has the model's structure (gauss_operands).
-    w1t_gauss = gauss_operands(args.w1_all, transposed=True)
-    final_gauss = _Launcher.of_gauss("fbwd", args) if w1t_gauss is not None else None
-    block_gauss = _Launcher.of_gauss("bwd", args) if w1t_gauss is not None else None
-
     g = torch.empty_like(u_final)
-    # Alpha partials: one slot per column tile, m=0 block first; a three-product tile covers
-    # its columns in both halves of the |m|=1 block and fills one slot per half.
-    slot0 = final_run.slots(m0)
-    m1_slots = final_run.slots(m1) if final_gauss is None else 2 * final_gauss.slots(gate_width)
-    n_slots = slot0 + m1_slots
     # Without alpha there are no partials; g stands in for the unused pointer.
-    partials = x_local.new_empty((n_edge, n_focus, n_slots)) if apply_alpha else g
-    final_flags = {"FINAL": True, "APPLY_ALPHA": apply_alpha, "ALPHA_PARTIALS": apply_alpha,
-                   "N_SLOTS": n_slots}  # fmt: skip
-    final_pointers = (grad_out, g, alpha, x_local, partials, g)
-    final_run.residual(
-        edge_major_descriptor, grad_out, w0t, m0, n_gated, final_pointers,
-        {**final_flags, "M1_BLOCK": False, "SLOT0": 0},
-    )  # fmt: skip
-    if final_gauss is None:
+    partials = x_local.new_empty((n_edge, n_focus, final_run.slots(m0, m1))) if apply_alpha else g
+    for is_m1, weights, width in ((False, w0t, m0), (True, w1t, m1)):
         final_run.residual(
-            edge_major_descriptor, grad_out, w1t, m1, n_gated, final_pointers,
-            {**final_flags, "M1_BLOCK": True, "SLOT0": slot0},
-        )  # fmt: skip
-    else:
-        assert w1t_gauss is not None
-        final_gauss.gauss_residual(
-            edge_major_descriptor, grad_out, w1t_gauss, n_gated, final_pointers,
-            {**final_flags, "SLOT0": slot0},
+            edge_major_descriptor, grad_out, weights, width, n_gated,
+            (grad_out, g, alpha, x_local, partials, g),
+            {"M1_BLOCK": is_m1, "FINAL": True, "APPLY_ALPHA": apply_alpha,
+             "ALPHA_PARTIALS": apply_alpha},
         )  # fmt: skip
     grad_alpha = partials.sum(-1) / alpha if apply_alpha else torch.zeros_like(alpha)
     if grad_u is not None:
@@ -455,19 +402,12 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
             grads_w0[layer], grads_w1[layer] = _block_weight_grads(u_in, gz, m0)
             grads_gw[layer] = _gate_weight_grad(z_all[layer], grad_logit, focus_dim)
             u_above = u_in
-        pointers = (g, g, alpha, g, g, g_next)
-        flags = {"FINAL": False, "APPLY_ALPHA": False, "ALPHA_PARTIALS": False, "SLOT0": 0,
-                 "N_SLOTS": 1}  # fmt: skip
-        block_run.residual(
-            row_descriptor, gz_split, w0t, m0, layer, pointers, {**flags, "M1_BLOCK": False}
-        )
-        if block_gauss is None:
+        for is_m1, weights, width in ((False, w0t, m0), (True, w1t, m1)):
             block_run.residual(
-                row_descriptor, gz_split, w1t, m1, layer, pointers, {**flags, "M1_BLOCK": True}
-            )
-        else:
-            assert w1t_gauss is not None
-            block_gauss.gauss_residual(row_descriptor, gz_split, w1t_gauss, layer, pointers, flags)
+                row_descriptor, gz_split, weights, width, layer, (g, g, alpha, g, g, g_next),
+                {"M1_BLOCK": is_m1, "FINAL": False, "APPLY_ALPHA": False,
+                 "ALPHA_PARTIALS": False},
+            )  # fmt: skip
         g, g_next = g_next, g
     return g, grad_alpha, grads_w0, grads_w1, grads_gw
 

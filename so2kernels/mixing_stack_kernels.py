@@ -32,10 +32,7 @@ Precision tiers (``FAST`` constexpr):
 The fast tier's block GEMMs (:func:`block_fwd_desc_kernel`, :func:`block_bwd_desc_kernel`) run
 persistent grids and load every GEMM operand through host-built tensor descriptors (no
 per-thread address tensors: 190-250 registers instead of 255 with spills on sm_90); the gate
-kernels and the exact tier keep pointer loads and one program per tile. When the |m|=1 weight
-has the model's complex structure, the fast tier computes that block in three half-width
-products instead of four (:func:`block_m1_gauss_fwd_kernel`, :func:`block_m1_gauss_bwd_kernel`,
-weights from :func:`gauss_operands`).
+kernels and the exact tier keep pointer loads and one program per tile.
 """
 
 # Triton kernels take untyped pointer/constexpr arguments and @triton.jit is an untyped decorator.
@@ -44,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cache
@@ -66,8 +62,6 @@ __all__ = [
     "TileConfig",
     "desc_block_k",
     "edge_major_descriptor",
-    "gauss_operands",
-    "gauss_tile",
     "persistent_grid",
     "row_descriptor",
     "split_fp16x3",
@@ -145,8 +139,7 @@ def table_key(kind: str, focus_dim: int, lmax: int, precision: StackPrecision) -
 
     Kinds: ``fwd`` (forward block GEMMs), ``gate`` (gate GEMMs of the forward, and of the exact
     backward), ``bwd`` (residual GEMMs of the gated layers' backward); fast tier only: ``fbwd``
-    (the final layer's residual GEMMs, which split their fp32 operand in registers), and
-    ``fwd3`` / ``bwd3`` / ``fbwd3`` (their |m|=1 GEMMs in three products, :func:`gauss_tile`).
+    (the final layer's residual GEMMs, which split their fp32 operand in registers).
     """
     return f"{kind}|cf{focus_dim}|l{lmax}|{precision.value}"
 
@@ -161,27 +154,6 @@ def tile_config(
     if entry is not None:
         return TileConfig(*entry)
     return fallback_tile(precision)
-
-
-def gauss_tile(kind: str, focus_dim: int, lmax: int, device: torch.device) -> TileConfig:
-    """Fast-tier tile of a three-product |m|=1 kernel (``block_m1_gauss_*``) standing in for
-    kind ``kind``: the table's ``"<kind>3"`` entry, else the kind's own tile with half its
-    columns (a tile covers its columns in both halves, and three accumulators of half width
-    hold fewer registers than the dense tile's two) and a K step of at most 32 (the summed
-    product stages two A tiles per step)."""
-    precision = StackPrecision.FAST
-    entry = (
-        _load_table(_gpu_key(device)).get(table_key(f"{kind}3", focus_dim, lmax, precision))
-        if device.type == "cuda"
-        else None
-    )
-    if entry is not None:
-        return TileConfig(*entry)
-    base = tile_config(kind, focus_dim, lmax, precision, device)
-    return TileConfig(
-        base.block_m, max(16, base.block_n // 2), min(base.block_k, 32), base.num_warps,
-        base.num_stages,
-    )  # fmt: skip
 
 
 def fallback_tile(precision: StackPrecision) -> TileConfig:
@@ -210,11 +182,10 @@ def split_fp16x3(w: Tensor) -> tuple[Tensor, Tensor]:
 # in a graph's private pool.
 
 _Stamp = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
-_OperandKey = tuple[StackPrecision | str, bool]  # (tier or operand form, transposed)
-_Operands = tuple[Tensor, Tensor] | None
-_Entries = dict[_OperandKey, tuple[_Stamp, _Operands]]
+_OperandKey = tuple[StackPrecision, bool]  # (tier, transposed)
+_Entries = dict[_OperandKey, tuple[_Stamp, tuple[Tensor, Tensor]]]
 _operand_cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""weight tensor → {(tier or form, transposed): (stamp, (head, tail) or None)}."""
+"""weight tensor → {(tier, transposed): (stamp, (head, tail))}."""
 
 
 def _stamp(w: Tensor) -> _Stamp:
@@ -251,82 +222,22 @@ def weight_operands(
         return w, w
     if not _cacheable(w):
         return _build_operands(w, precision, transposed)
-    key = (precision, transposed)
-    hit = _lookup(w, key)
-    if hit is not None:
-        return _dense(hit[0])
+    entries: _Entries | None = _operand_cache.get(w)  # type: ignore[no-untyped-call]
+    key, stamp = (precision, transposed), _stamp(w)
+    hit = entries.get(key) if entries is not None else None
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
     if _capturing(w.device):  # planes built now live in the graph's pool: never cached
         return _build_operands(w, precision, transposed)
-    return _dense(_store(w, key, lambda: _build_operands(w, precision, transposed)))
-
-
-def _dense(operands: _Operands) -> tuple[Tensor, Tensor]:
-    assert operands is not None  # only the three-product form may be absent
-    return operands
-
-
-def _lookup(w: Tensor, key: _OperandKey) -> tuple[_Operands] | None:
-    """The current cache entry of ``w`` under ``key`` (as a 1-tuple: it may hold None)."""
-    entries: _Entries | None = _operand_cache.get(w)  # type: ignore[no-untyped-call]
-    hit = entries.get(key) if entries is not None else None
-    return (hit[1],) if hit is not None and hit[0] == _stamp(w) else None
-
-
-def _store(w: Tensor, key: _OperandKey, build: Callable[[], _Operands]) -> _Operands:
-    entries: _Entries | None = _operand_cache.get(w)  # type: ignore[no-untyped-call]
     if entries is None:
         entries = {}
         _operand_cache[w] = entries
     # Normal tensors under no_grad even when first asked for in inference mode or under
     # autograd: the planes are kernel operands only, never part of a graph.
     with torch.inference_mode(False), torch.no_grad():
-        operands = build()
-    entries[key] = (_stamp(w), operands)
+        operands = _build_operands(w, precision, transposed)
+    entries[key] = (stamp, operands)
     return operands
-
-
-# The |m|=1 block as a complex product (Gauss's three-multiplication form).
-#
-# The model's |m|=1 block is W1 = [[Wu, Wv], [-Wv, Wu]] (and so is its transpose, with Wu -> Wuᵀ,
-# Wv -> -Wvᵀ): [x- | x+] @ W1 = [k1 + k3 | k1 + k2] with k1 = (x- + x+) Wu, k2 = x- (Wv - Wu),
-# k3 = x+ (-(Wu + Wv)). Three (H × H) products instead of four: 25 % fewer fast-tier MMAs on the
-# larger block. The fast tier takes this form only for a weight whose blocks have this structure
-# exactly (checked once per weight version, a device sync); any other W1 runs the dense product.
-# The split weights of the three products are stacked as (NL, F, 3, H, H): [Wu, Wv - Wu,
-# -(Wu + Wv)], so a product's matrix starts (3·(layer·F + focus) + j)·H rows into the stack.
-# Error: the normwise error of the combination stays at the dense product's (a float64
-# emulation of the split products gives 1.0-1.5x the dense form's normwise error).
-
-_GAUSS = "gauss"
-
-
-def _gauss_planes(w: Tensor, transposed: bool) -> _Operands:
-    dense = (w.transpose(-2, -1) if transposed else w).contiguous()
-    half = dense.shape[-1] // 2
-    w_u, w_v = dense[..., :half, :half], dense[..., :half, half:]
-    structured = torch.equal(dense[..., half:, half:], w_u) and torch.equal(
-        dense[..., half:, :half], -w_v
-    )
-    if not structured:
-        return None
-    return split_fp16x3(torch.stack((w_u, w_v - w_u, -(w_u + w_v)), dim=-3).contiguous())
-
-
-def gauss_operands(w1: Tensor, *, transposed: bool = False) -> _Operands:
-    """Fast-tier (head, tail) planes ``(NL, F, 3, H, H)`` of the three-product form of the |m|=1
-    block weight ``w1 (NL, F, 2H, 2H)`` (or of its transpose), or None when ``w1`` lacks the
-    ``[[Wu, Wv], [-Wv, Wu]]`` structure. Only cached weights qualify: the structure check
-    synchronises once per weight version, which neither a compiled graph nor a CUDA-graph
-    capture may do (those get None until the eager cache knows the weight)."""
-    if not _cacheable(w1):
-        return None
-    key = (_GAUSS, transposed)
-    hit = _lookup(w1, key)
-    if hit is not None:
-        return hit[0]
-    if _capturing(w1.device) or w1.shape[-1] % 2:
-        return None
-    return _store(w1, key, lambda: _gauss_planes(w1, transposed))
 
 
 # Tensor descriptors and persistent grids of the fast tier's block GEMMs
@@ -415,17 +326,12 @@ def persistent_grid(n_tiles: int, tile: TileConfig, device: torch.device) -> tup
 
 
 @triton.jit
-def _split_prescaled(scaled):
-    """fp16 head and ``TAIL_SCALE``-scaled fp16 tail of an fp32 value already prescaled."""
+def _split_fp16x3(x):
+    """fp16 head and ``TAIL_SCALE``-scaled fp16 tail of ``ACT_PRESCALE·x`` (fp32 ``x``)."""
+    scaled = x * 0.0625
     head = scaled.to(tl.float16)
     tail = ((scaled - head.to(tl.float32)) * 2048.0).to(tl.float16)
     return head, tail
-
-
-@triton.jit
-def _split_fp16x3(x):
-    """fp16 head and ``TAIL_SCALE``-scaled fp16 tail of ``ACT_PRESCALE·x`` (fp32 ``x``)."""
-    return _split_prescaled(x * 0.0625)
 
 
 @triton.jit
@@ -474,66 +380,41 @@ def _tile_matmul(
 
 
 @triton.jit
-def _a_prescaled(
-    a_desc, a_row, a_next, col, A_PLANES: tl.constexpr, EDGE_MAJOR: tl.constexpr,
-    K_STEP: tl.constexpr, E_TILE: tl.constexpr,
-):  # fmt: skip
-    """``ACT_PRESCALE·A`` in fp32 over one K step of :func:`_desc_matmul`'s A (planes merged:
-    head + tail carry 22 significant bits, which fp32 holds exactly)."""
-    if A_PLANES:
-        head = a_desc.load([a_row, col]).to(tl.float32)
-        return head + a_desc.load([a_row + a_next, col]).to(tl.float32) * (1.0 / 2048.0)
-    elif EDGE_MAJOR:
-        return a_desc.load([a_row, a_next, col]).reshape(E_TILE, K_STEP) * 0.0625
-    else:
-        return a_desc.load([a_row, col]) * 0.0625
-
-
-@triton.jit
 def _desc_matmul(
     a_desc,  # A rows: fp16 planes or fp32 rows (2-d), or the edge-major fp32 rows (3-d)
     a_row,  # first A row of the tile (head plane), or first edge (EDGE_MAJOR); int32
     a_next,  # rows from the head plane to the tail plane (A_PLANES), or the focus (EDGE_MAJOR)
     a_col,  # first A column of the block
-    a_col2,  # first column of the second A block (A_SUM); unused otherwise
-    b_desc,  # fp16 (rows, W) descriptor over the B heads, block (K_STEP, C_TILE)
+    b_desc,  # fp16 (NL·F·W, W) descriptor over the B heads, block (K_STEP, C_TILE)
     b_lo_desc,  # the same over the B tails
-    b_row,  # first row of this B matrix
+    b_row,  # first row of this (layer, focus) matrix
     n0,  # first output column of the tile
     K: tl.constexpr,
     A_PLANES: tl.constexpr,
     EDGE_MAJOR: tl.constexpr,
-    A_SUM: tl.constexpr,
     K_STEP: tl.constexpr,
     E_TILE: tl.constexpr,
     C_TILE: tl.constexpr,
 ):
     """Fast-tier product of :func:`_tile_matmul` with every operand loaded through a tensor
     descriptor. ``A_PLANES``: A stored as head/tail planes (the tiles go to the tensor cores as
-    loaded); otherwise fp32 A split in registers. ``A_SUM``: A is the sum of the K-wide blocks at
-    ``a_col`` and ``a_col2`` (added in fp32, then split). ``K_STEP`` must divide ``K``: a B row
-    past ``K`` belongs to the next matrix. Rows of A past a focus's edges are another focus's (or
+    loaded); otherwise fp32 A split in registers. ``K_STEP`` must divide ``K``: a B row past
+    ``K`` belongs to the next matrix. Rows of A past a focus's edges are another focus's (or
     plane's, or the zero fill): each output row depends on its own A row only, and those rows
-    are masked at the store; B columns past the descriptor's width are zero-filled.
+    are masked at the store; B columns past ``W`` are zero-filled.
     """
     hi_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
     lo_sum = tl.full((E_TILE, C_TILE), 0.0, tl.float32)
     for k_start in range(0, K, K_STEP):
-        if A_SUM:
-            a_hi, a_lo = _split_prescaled(
-                _a_prescaled(a_desc, a_row, a_next, a_col + k_start, A_PLANES, EDGE_MAJOR,
-                             K_STEP, E_TILE)
-                + _a_prescaled(a_desc, a_row, a_next, a_col2 + k_start, A_PLANES, EDGE_MAJOR,
-                               K_STEP, E_TILE)
-            )  # fmt: skip
-        elif A_PLANES:
+        if A_PLANES:
             a_hi = a_desc.load([a_row, a_col + k_start])
             a_lo = a_desc.load([a_row + a_next, a_col + k_start])
+        elif EDGE_MAJOR:
+            a_hi, a_lo = _split_fp16x3(
+                a_desc.load([a_row, a_next, a_col + k_start]).reshape(E_TILE, K_STEP)
+            )
         else:
-            a_hi, a_lo = _split_prescaled(
-                _a_prescaled(a_desc, a_row, a_next, a_col + k_start, False, EDGE_MAJOR,
-                             K_STEP, E_TILE)
-            )  # fmt: skip
+            a_hi, a_lo = _split_fp16x3(a_desc.load([a_row, a_col + k_start]))
         b_hi = b_desc.load([b_row + k_start, n0])
         b_lo = b_lo_desc.load([b_row + k_start, n0])
         hi_sum = tl.dot(a_hi, b_hi, hi_sum)
@@ -713,9 +594,9 @@ def block_fwd_desc_kernel(
         )
         focus32 = focus.to(tl.int32)
         acc = _desc_matmul(
-            u_desc, focus32 * n_edge + first, 0, COL0, 0, w_desc, w_lo_desc,
-            (layer * n_focus + focus32) * WIDTH, pid_n * BLOCK_N, WIDTH, False, False, False,
-            BLOCK_K, BLOCK_M, BLOCK_N,
+            u_desc, focus32 * n_edge + first, 0, COL0, w_desc, w_lo_desc,
+            (layer * n_focus + focus32) * WIDTH, pid_n * BLOCK_N, WIDTH, False, False, BLOCK_K,
+            BLOCK_M, BLOCK_N,
         )  # fmt: skip
         if FINAL:
             # The input, product and alpha of a whole final tile spill (sm_90, 64x128 tile);
@@ -1011,14 +892,13 @@ def _column_halves(tile, E_TILE: tl.constexpr, C_TILE: tl.constexpr):
 
 @triton.jit
 def _block_bwd_epilogue(
-    acc, rows, row_mask, cols, col_end, a_rows, edge_rows, act_rows, res_ptr, alpha_ptr, x_ptr,
-    out_ptr, focus, n_focus, FINAL: tl.constexpr, APPLY_ALPHA: tl.constexpr,
+    acc, rows, row_mask, cols, a_rows, edge_rows, act_rows, res_ptr, alpha_ptr, x_ptr, out_ptr,
+    focus, n_focus, WIDTH: tl.constexpr, FINAL: tl.constexpr, APPLY_ALPHA: tl.constexpr,
     ALPHA_PARTIALS: tl.constexpr,
 ):  # fmt: skip
-    """Finish the residual product ``acc`` on the columns ``cols`` below ``col_end`` (see
-    :func:`block_bwd_kernel`); returns ``Σ_cols grad·x_local`` per edge row with
-    ``ALPHA_PARTIALS``, else zeros."""
-    mask = row_mask[:, None] & (cols < col_end)[None, :]
+    """Finish the residual product ``acc`` on the columns ``cols`` (see :func:`block_bwd_kernel`);
+    returns ``Σ_cols grad·x_local`` per edge row with ``ALPHA_PARTIALS``, else zeros."""
+    mask = row_mask[:, None] & (cols < WIDTH)[None, :]
     grad_x = tl.zeros_like(rows).to(tl.float32)
     if FINAL:
         grad = tl.load(a_rows[:, None] + cols[None, :], mask=mask, other=0.0)
@@ -1037,19 +917,21 @@ def _block_bwd_epilogue(
 
 @triton.jit
 def _block_bwd_finish(
-    acc, rows, row_mask, col0, col_end, slot, a_rows, focus, n_focus, res_ptr, alpha_ptr, x_ptr,
+    acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, x_ptr,
     part_ptr, out_ptr, n_edge, L: tl.constexpr, FD: tl.constexpr, M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr, APPLY_ALPHA: tl.constexpr, ALPHA_PARTIALS: tl.constexpr,
-    HALVES: tl.constexpr, N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    HALVES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """Epilogue of a residual backward tile (see :func:`block_bwd_kernel`) on the block columns
-    ``[col0, min(col0 + BLOCK_N, col_end))``: store ``g_in`` and, with ``ALPHA_PARTIALS``, this
-    tile's share of ``Σ grad·x_local`` in partial slot ``slot`` of ``N_SLOTS``. ``HALVES`` runs
-    it on one column half at a time."""
+    """Epilogue of a residual backward tile (see :func:`block_bwd_kernel`): store ``g_in`` and,
+    with ``ALPHA_PARTIALS``, this tile's share of ``Σ grad·x_local``. ``HALVES`` runs it on one
+    column half at a time."""
     GWD: tl.constexpr = L * FD
     ROW: tl.constexpr = FD + 3 * GWD
     M0: tl.constexpr = FD + GWD
+    WIDTH: tl.constexpr = 2 * GWD if M1_BLOCK else M0
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
+    NT0: tl.constexpr = (M0 - 1) // BLOCK_N + 1
+    N_SLOTS: tl.constexpr = NT0 + (2 * GWD - 1) // BLOCK_N + 1
     edge_rows = (rows * n_focus + focus) * ROW + COL0
     act_rows = (focus * n_edge + rows) * ROW + COL0
     if HALVES:
@@ -1057,23 +939,23 @@ def _block_bwd_finish(
         # tile: 255 registers); one column half at a time does not (233) and ran 7 % faster
         # at the bar case. The other epilogues gained nothing from halves (H200, 2026-11-30).
         left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
-        left_cols = col0 + tl.arange(0, BLOCK_N // 2)
+        left_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         grad_x = _block_bwd_epilogue(
-            left, rows, row_mask, left_cols, col_end, a_rows, edge_rows, act_rows, res_ptr,
-            alpha_ptr, x_ptr, out_ptr, focus, n_focus, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
+            left, rows, row_mask, left_cols, a_rows, edge_rows, act_rows, res_ptr, alpha_ptr,
+            x_ptr, out_ptr, focus, n_focus, WIDTH, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
         )  # fmt: skip
         grad_x += _block_bwd_epilogue(
-            right, rows, row_mask, left_cols + BLOCK_N // 2, col_end, a_rows, edge_rows,
-            act_rows, res_ptr, alpha_ptr, x_ptr, out_ptr, focus, n_focus, FINAL, APPLY_ALPHA,
+            right, rows, row_mask, left_cols + BLOCK_N // 2, a_rows, edge_rows, act_rows,
+            res_ptr, alpha_ptr, x_ptr, out_ptr, focus, n_focus, WIDTH, FINAL, APPLY_ALPHA,
             ALPHA_PARTIALS,
         )  # fmt: skip
     else:
         grad_x = _block_bwd_epilogue(
-            acc, rows, row_mask, col0 + tl.arange(0, BLOCK_N), col_end, a_rows, edge_rows,
-            act_rows, res_ptr, alpha_ptr, x_ptr, out_ptr, focus, n_focus, FINAL, APPLY_ALPHA,
-            ALPHA_PARTIALS,
+            acc, rows, row_mask, cols, a_rows, edge_rows, act_rows, res_ptr, alpha_ptr, x_ptr,
+            out_ptr, focus, n_focus, WIDTH, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
         )  # fmt: skip
     if ALPHA_PARTIALS:
+        slot = pid_n + (NT0 if M1_BLOCK else 0)
         tl.store(part_ptr + (rows * n_focus + focus) * N_SLOTS + slot, grad_x, mask=row_mask)
 
 
@@ -1118,9 +1000,9 @@ def block_bwd_kernel(
         WIDTH, WIDTH, False, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     _block_bwd_finish(
-        acc, rows, row_mask, pid_n * BLOCK_N, WIDTH, 0, a_rows, focus, n_focus, res_ptr,
-        alpha_ptr, out_ptr, out_ptr, out_ptr, n_edge, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA, False,
-        False, 1, BLOCK_N, BLOCK_M,
+        acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, out_ptr,
+        out_ptr, out_ptr, n_edge, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA, False, False, BLOCK_N,
+        BLOCK_M,
     )  # fmt: skip
 
 
@@ -1145,8 +1027,6 @@ def block_bwd_desc_kernel(
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
     ALPHA_PARTIALS: tl.constexpr,
-    SLOT0: tl.constexpr,  # first partial slot of this block (ALPHA_PARTIALS)
-    N_SLOTS: tl.constexpr,  # partial slots per edge, both blocks (ALPHA_PARTIALS)
     BLOCK_M: tl.constexpr,  # edges per tile
     BLOCK_N: tl.constexpr,  # output columns per tile
     BLOCK_K: tl.constexpr,  # reduction step
@@ -1159,8 +1039,8 @@ def block_bwd_desc_kernel(
     = alpha·grad`` is read edge-major (split in registers), alpha is applied after the product,
     ``g_in = alpha·(grad + grad @ Wᵀ)``, and the epilogue runs on one column half at a time;
     ``ALPHA_PARTIALS`` also leaves this tile's share of ``Σ_c grad·x_local`` for the alpha
-    gradient: the m=0 block fills slots ``[0, NT0)`` (``SLOT0 = 0``), the |m|=1 block the next
-    ones (``SLOT0 = NT0``, one per column tile), and the caller sums the slots.
+    gradient: the m=0 block fills slots ``[0, NT0)``, the |m|=1 block the next ``NT1``, and the
+    caller sums the slots.
     """
     GWD: tl.constexpr = L * FD
     ROW: tl.constexpr = FD + 3 * GWD
@@ -1169,7 +1049,7 @@ def block_bwd_desc_kernel(
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
     n_tiles = _n_flat_tiles(n_edge, n_focus, WIDTH, BLOCK_M, BLOCK_N)
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        focus, first, rows, row_mask, _cols, _col_mask, pid_n = _flat_tile(
+        focus, first, rows, row_mask, cols, _col_mask, pid_n = _flat_tile(
             tile, n_edge, WIDTH, BLOCK_M, BLOCK_N
         )
         focus32 = focus.to(tl.int32)
@@ -1178,143 +1058,12 @@ def block_bwd_desc_kernel(
         else:
             a_row, a_next = focus32 * n_edge + first, n_focus * n_edge
         acc = _desc_matmul(
-            a_desc, a_row, a_next, COL0, 0, wt_desc, wt_lo_desc,
-            (layer * n_focus + focus32) * WIDTH, pid_n * BLOCK_N, WIDTH, not FINAL, FINAL, False,
-            BLOCK_K, BLOCK_M, BLOCK_N,
+            a_desc, a_row, a_next, COL0, wt_desc, wt_lo_desc, (layer * n_focus + focus32) * WIDTH,
+            pid_n * BLOCK_N, WIDTH, not FINAL, FINAL, BLOCK_K, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         a_rows = a_ptr + (rows * n_focus + focus) * ROW + COL0
         _block_bwd_finish(
-            acc, rows, row_mask, pid_n * BLOCK_N, WIDTH, SLOT0 + pid_n, a_rows, focus, n_focus,
-            res_ptr, alpha_ptr, x_ptr, part_ptr, out_ptr, n_edge, L, FD, M1_BLOCK, FINAL,
-            APPLY_ALPHA, ALPHA_PARTIALS, FINAL, N_SLOTS, BLOCK_N, BLOCK_M,
-        )  # fmt: skip
-
-
-# Triton: the |m|=1 block in three products (weights from gauss_operands)
-
-
-@triton.jit
-def block_m1_gauss_fwd_kernel(
-    u_desc,  # fp32 (F·E, ROW) descriptor over the layer input, block (BLOCK_M, BLOCK_K)
-    w_desc,  # fp16 (NL·F·3·H, H) descriptor over the three-product weight heads
-    w_lo_desc,  # the same over the tails
-    u_ptr,  # (F, E, ROW) layer input (the residual)
-    z_ptr,  # (NG, F, E, ROW) pre-activation stack (gated layers)
-    sig_ptr,  # (F, E, GWD) gates of this layer (gated layers)
-    alpha_ptr,  # (E, F) competition weight (FINAL with APPLY_ALPHA)
-    out_ptr,  # (F, E, ROW) next activation; (E, F, ROW) edge-major when FINAL
-    n_edge,
-    n_focus,
-    layer,
-    L: tl.constexpr,
-    FD: tl.constexpr,
-    FINAL: tl.constexpr,
-    APPLY_ALPHA: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # edges per tile
-    BLOCK_N: tl.constexpr,  # output columns per tile, in each half
-    BLOCK_K: tl.constexpr,  # reduction step
-):
-    """The |m|=1 block GEMM of :func:`block_fwd_desc_kernel` with its epilogue, as three
-    ``H``-wide products (see :func:`gauss_operands`): a tile owns columns ``c`` of both halves,
-    ``z[c] = k1 + k3`` (m=-1) and ``z[H + c] = k1 + k2`` (m=+1), with ``k1`` kept from the first
-    product."""
-    H: tl.constexpr = L * FD
-    M0: tl.constexpr = FD + H
-    n_tiles = _n_flat_tiles(n_edge, n_focus, H, BLOCK_M, BLOCK_N)
-    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        focus, first, rows, row_mask, cols, col_mask, pid_n = _flat_tile(
-            tile, n_edge, H, BLOCK_M, BLOCK_N
-        )
-        focus32 = focus.to(tl.int32)
-        a_row = focus32 * n_edge + first
-        b_row = (layer * n_focus + focus32) * 3 * H
-        n0 = pid_n * BLOCK_N
-        shared = _desc_matmul(
-            u_desc, a_row, 0, M0, M0 + H, w_desc, w_lo_desc, b_row, n0, H, False, False, True,
-            BLOCK_K, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        plus = shared + _desc_matmul(
-            u_desc, a_row, 0, M0, 0, w_desc, w_lo_desc, b_row + H, n0, H, False, False, False,
-            BLOCK_K, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        _block_fwd_epilogue(
-            plus, rows, row_mask, cols + H, col_mask, focus, n_focus, n_edge, layer, u_ptr, z_ptr,
-            sig_ptr, alpha_ptr, out_ptr, L, FD, True, FINAL, APPLY_ALPHA,
-        )  # fmt: skip
-        minus = shared + _desc_matmul(
-            u_desc, a_row, 0, M0 + H, 0, w_desc, w_lo_desc, b_row + 2 * H, n0, H, False, False,
-            False, BLOCK_K, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        _block_fwd_epilogue(
-            minus, rows, row_mask, cols, col_mask, focus, n_focus, n_edge, layer, u_ptr, z_ptr,
-            sig_ptr, alpha_ptr, out_ptr, L, FD, True, FINAL, APPLY_ALPHA,
-        )  # fmt: skip
-
-
-@triton.jit
-def block_m1_gauss_bwd_kernel(
-    a_desc,  # as block_bwd_desc_kernel's: edge-major fp32 (FINAL) or the split cotangent planes
-    wt_desc,  # fp16 (NL·F·3·H, H) over the transposed weight's three-product heads
-    wt_lo_desc,  # the same over the tails
-    a_ptr,  # (E, F, ROW) the output cotangent (FINAL)
-    res_ptr,  # (F, E, ROW) cotangent of the layer output (not read when FINAL)
-    alpha_ptr,  # (E, F)
-    x_ptr,  # (E, F, ROW) the forward's x_local (ALPHA_PARTIALS)
-    part_ptr,  # (E, F, N_SLOTS) out: Σ grad·x_local per column tile (ALPHA_PARTIALS)
-    out_ptr,  # (F, E, ROW) out: cotangent of the layer input
-    n_edge,
-    n_focus,
-    layer,
-    L: tl.constexpr,
-    FD: tl.constexpr,
-    FINAL: tl.constexpr,
-    APPLY_ALPHA: tl.constexpr,
-    ALPHA_PARTIALS: tl.constexpr,
-    SLOT0: tl.constexpr,  # first partial slot of the |m|=1 block
-    N_SLOTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # edges per tile
-    BLOCK_N: tl.constexpr,  # output columns per tile, in each half
-    BLOCK_K: tl.constexpr,  # reduction step
-):
-    """The |m|=1 residual backward of :func:`block_bwd_desc_kernel` as three ``H``-wide
-    products of the transposed block (same form as :func:`block_m1_gauss_fwd_kernel`). Partial
-    slots: ``SLOT0 + pid_n`` for the m=-1 half, ``SLOT0 + cdiv(H, BLOCK_N) + pid_n`` for m=+1."""
-    H: tl.constexpr = L * FD
-    M0: tl.constexpr = FD + H
-    ROW: tl.constexpr = FD + 3 * H
-    HALF_TILES: tl.constexpr = (H - 1) // BLOCK_N + 1
-    n_tiles = _n_flat_tiles(n_edge, n_focus, H, BLOCK_M, BLOCK_N)
-    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        focus, first, rows, row_mask, _cols, _col_mask, pid_n = _flat_tile(
-            tile, n_edge, H, BLOCK_M, BLOCK_N
-        )
-        focus32 = focus.to(tl.int32)
-        if FINAL:
-            a_row, a_next = first, focus32
-        else:
-            a_row, a_next = focus32 * n_edge + first, n_focus * n_edge
-        b_row = (layer * n_focus + focus32) * 3 * H
-        n0 = pid_n * BLOCK_N
-        a_rows = a_ptr + (rows * n_focus + focus) * ROW + M0
-        shared = _desc_matmul(
-            a_desc, a_row, a_next, M0, M0 + H, wt_desc, wt_lo_desc, b_row, n0, H, not FINAL,
-            FINAL, True, BLOCK_K, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        plus = shared + _desc_matmul(
-            a_desc, a_row, a_next, M0, 0, wt_desc, wt_lo_desc, b_row + H, n0, H, not FINAL,
-            FINAL, False, BLOCK_K, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        _block_bwd_finish(
-            plus, rows, row_mask, H + n0, 2 * H, SLOT0 + HALF_TILES + pid_n, a_rows, focus,
-            n_focus, res_ptr, alpha_ptr, x_ptr, part_ptr, out_ptr, n_edge, L, FD, True, FINAL,
-            APPLY_ALPHA, ALPHA_PARTIALS, False, N_SLOTS, BLOCK_N, BLOCK_M,
-        )  # fmt: skip
-        minus = shared + _desc_matmul(
-            a_desc, a_row, a_next, M0 + H, 0, wt_desc, wt_lo_desc, b_row + 2 * H, n0, H,
-            not FINAL, FINAL, False, BLOCK_K, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        _block_bwd_finish(
-            minus, rows, row_mask, n0, H, SLOT0 + pid_n, a_rows, focus, n_focus, res_ptr,
-            alpha_ptr, x_ptr, part_ptr, out_ptr, n_edge, L, FD, True, FINAL, APPLY_ALPHA,
-            ALPHA_PARTIALS, False, N_SLOTS, BLOCK_N, BLOCK_M,
+            acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, x_ptr,
+            part_ptr, out_ptr, n_edge, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
+            FINAL, BLOCK_N, BLOCK_M,
         )  # fmt: skip

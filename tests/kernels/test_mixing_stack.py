@@ -13,12 +13,7 @@ from so2kernels._dispatch import UnsupportedInputError
 from so2kernels.mixing_stack import mixing_stack_reference, so2_mixing_stack
 from so2kernels.mixing_stack_backward import mixing_stack_backward
 from so2kernels.mixing_stack_fast import measure_stack_error
-from so2kernels.mixing_stack_kernels import (
-    StackPrecision,
-    gauss_operands,
-    split_fp16x3,
-    weight_operands,
-)
+from so2kernels.mixing_stack_kernels import StackPrecision, split_fp16x3, weight_operands
 from tests.offline_compile import compiled_count
 
 Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -286,85 +281,6 @@ def test_fast_backward_op_every_input(
         assert bool((grads[1] == 0).all())
 
 
-# The |m|=1 block in three products: taken when W1 has the model's [[Wu, Wv], [-Wv, Wu]] form.
-
-
-def with_model_m1(ops: Operands) -> Operands:
-    """``ops`` with W1 assembled as the model assembles it from its own top row of blocks."""
-    u0, alpha, w0, w1, gw = ops
-    half = w1.shape[-1] // 2
-    w_u, w_v = w1[..., :half, :half], w1[..., :half, half:]
-    model_w1 = torch.cat([torch.cat([w_u, w_v], -1), torch.cat([-w_v, w_u], -1)], -2)
-    return u0, alpha, w0, model_w1.contiguous(), gw
-
-
-def test_gauss_operands_only_for_the_model_structure() -> None:
-    w1 = with_model_m1(make_operands(2, 32, 2, 1, 3))[3]
-    half = w1.shape[-1] // 2
-    for transposed in (False, True):
-        dense = w1.mT.contiguous() if transposed else w1
-        w_u, w_v = dense[..., :half, :half], dense[..., :half, half:]
-        planes = gauss_operands(w1, transposed=transposed)
-        assert planes is not None
-        assert gauss_operands(w1, transposed=transposed) is planes  # cached
-        want = split_fp16x3(torch.stack((w_u, w_v - w_u, -(w_u + w_v)), dim=-3))
-        for got, expected in zip(planes, want, strict=True):
-            assert got.shape == (3, 2, 3, half, half)
-            assert torch.equal(got, expected)
-    nudged = w1.clone()
-    nudged[0, 0, 0, 0] = torch.nextafter(nudged[0, 0, 0, 0], torch.tensor(1.0))
-    assert gauss_operands(nudged) is None
-    with torch.inference_mode():
-        frozen = w1.clone()
-    assert gauss_operands(frozen) is None  # no version counter: never cached, never checked
-    w1.mul_(2.0)
-    w1[1, 0, half, half] += 1.0  # in place: the next call checks the new version
-    assert gauss_operands(w1) is None
-
-
-@pytest.mark.parametrize(
-    ("lmax", "focus_dim", "n_focus", "n_edge", "n_layers", "apply_alpha"),
-    [(2, 32, 2, 37, 3, True), (1, 96, 1, 9, 2, False), (2, 64, 1, 11, 1, True),
-     (3, 32, 3, 5, 2, True)],
-)  # fmt: skip
-def test_fast_tier_three_product_m1(
-    poisoned_alloc: None,  # noqa: F811
-    lmax: int,
-    focus_dim: int,
-    n_focus: int,
-    n_edge: int,
-    n_layers: int,
-    apply_alpha: bool,
-) -> None:
-    """With the model's W1 the fast tier's |m|=1 GEMMs run as three products (forward, final and
-    gated backward, alpha partials in both halves); outputs and every gradient against float64
-    autograd, with cotangents on all three outputs."""
-    ops = with_model_m1(make_operands(lmax, focus_dim, n_focus, n_edge, n_layers, seed=29))
-    assert gauss_operands(ops[3]) is not None
-    outs = so2_mixing_stack(*ops, lmax, focus_dim, apply_alpha, "fp16x3")
-    cots = [torch.randn_like(t) for t in outs]
-    grads = mixing_stack_backward(
-        cots[0], *outs, ops[1], ops[0], *ops[2:], cots[1], cots[2], lmax, focus_dim,
-        apply_alpha, True, "fp16x3",
-    )  # fmt: skip
-    mask = (True, apply_alpha, True, True, n_layers > 1)
-    ref_in = _double(ops, mask)
-    ref = mixing_stack_reference(*ref_in, lmax, focus_dim, apply_alpha)
-    for got_out, want_out in zip(outs, ref, strict=True):
-        assert_normwise_close(got_out, want_out.detach(), 4e-6)
-    loss = torch.stack([(r * c.double()).sum() for r, c in zip(ref, cots, strict=True)]).sum()
-    want = torch.autograd.grad(loss, [t for t in ref_in if t.requires_grad])
-    got = [g for g, m in zip(grads, mask, strict=True) if m]
-    for g, w in zip(got, want, strict=True):
-        assert_normwise_close(g, w, 4e-6)
-    # The dense product on the same weights agrees to the tier's resolution, not bit for bit.
-    with torch.inference_mode():
-        dense_w1 = ops[3].clone()
-    dense = so2_mixing_stack(*ops[:3], dense_w1, ops[4], lmax, focus_dim, apply_alpha, "fp16x3")
-    assert not torch.equal(dense[0], outs[0])
-    assert_normwise_close(dense[0], outs[0].double(), 4e-6)
-
-
 def test_fast_tier_zero_edges() -> None:
     ops = _float(make_operands(2, 32, 2, 0, 3), ALL_GRADS)
     x_local, _, _ = so2_mixing_stack(*ops, 2, 32, True, "fp16x3")
@@ -514,16 +430,11 @@ _FAST_VARIANTS: list[_Variant] = [
         for name in ("gate_bwd_split_kernel", "scalar_bwd_split_kernel")
         for on in (0, 1)
     ),
-    *(("block_bwd_desc_kernel", {**b, "APPLY_ALPHA": b["FINAL"], "ALPHA_PARTIALS": b["FINAL"],
-                                 "SLOT0": 4 * b["M1_BLOCK"], "N_SLOTS": 12})
+    *(("block_bwd_desc_kernel", {**b, "APPLY_ALPHA": b["FINAL"], "ALPHA_PARTIALS": b["FINAL"]})
       for b in _BLOCKS),
-    *(("block_m1_gauss_fwd_kernel", {"FINAL": fin, "APPLY_ALPHA": 1}) for fin in (0, 1)),
-    *(("block_m1_gauss_bwd_kernel", {"FINAL": fin, "APPLY_ALPHA": fin, "ALPHA_PARTIALS": fin,
-                                     "SLOT0": 4, "N_SLOTS": 12})
-      for fin in (0, 1)),
 ]  # fmt: skip
 """Every kernel variant each tier launches (the fast traversal: split cotangent planes, alpha
-partials, descriptor-fed persistent block GEMMs, the three-product |m|=1 GEMMs)."""
+partials, descriptor-fed persistent block GEMMs)."""
 
 
 def _argument_type(arg: str, flags: dict[str, int], fast: bool, tile: tuple[int, ...]) -> str:
@@ -580,7 +491,7 @@ def compile_all_for_sm90(fast: bool) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fast", "n_variants"), [(False, 12), (True, 17)])
+@pytest.mark.parametrize(("fast", "n_variants"), [(False, 12), (True, 13)])
 def test_kernels_compile_for_sm90(fast: bool, n_variants: int) -> None:
     assert compiled_count("test_mixing_stack", f"compile_all_for_sm90({fast})") == n_variants
 
@@ -594,23 +505,16 @@ def _edge_sample(ops: Operands, edges: torch.Tensor) -> Operands:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("precision", "model_m1"), [("ieee", False), ("fp16x3", False), ("fp16x3", True)]
-)
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
 @pytest.mark.parametrize(("lmax", "focus_dim", "n_focus"), [(2, 128, 1), (3, 64, 2), (2, 96, 1)])
-def test_gpu_realistic_size(
-    precision: str, model_m1: bool, lmax: int, focus_dim: int, n_focus: int
-) -> None:
+def test_gpu_realistic_size(precision: str, lmax: int, focus_dim: int, n_focus: int) -> None:
     """E = 1e5: values and force-path gradients vs fp64 on sampled edges; no NaN anywhere.
-    ``model_m1``: W1 as the model assembles it (the fast tier's three-product |m|=1 GEMMs).
 
     The stack acts on every edge independently, so the fp64 reference on a sample of edges is
     the exact ground truth for those edges.
     """
     n_edge = 100_003
     ops = make_operands(lmax, focus_dim, n_focus, n_edge, 3, seed=13, device="cuda")
-    if model_m1:
-        ops = with_model_m1(ops)
     inputs = _float(ops, FORCE_GRADS)
     x_local, z_all, u_final = so2_mixing_stack(*inputs, lmax, focus_dim, True, precision)
     grad_out = torch.randn_like(x_local)
@@ -632,11 +536,10 @@ def test_gpu_realistic_size(
 
 @pytest.mark.gpu
 def test_gpu_capture_reads_cached_weight_operands() -> None:
-    """A CUDA graph captured after eager warm-up replays the fast-tier step exactly (the |m|=1
-    block in three products from the cache); a weight first seen during capture is split inside
-    the graph and kept out of the cache (its planes would otherwise live in the graph's private
-    pool)."""
-    ops = with_model_m1(make_operands(2, 32, 1, 515, 3, seed=29, device="cuda"))
+    """A CUDA graph captured after eager warm-up replays the fast-tier step exactly; a weight
+    first seen during capture is split inside the graph and kept out of the cache (its planes
+    would otherwise live in the graph's private pool)."""
+    ops = make_operands(2, 32, 1, 515, 3, seed=29, device="cuda")
     u0 = ops[0].clone().requires_grad_()
     cot = torch.randn(515, 1, ops[0].shape[2], device="cuda")
 
