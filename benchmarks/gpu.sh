@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh sweep-rest|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -79,6 +79,10 @@ case "$topic" in
     STEP_S=110 run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/graph/test_sync_free.py tests/graph/test_pair_search.py tests/model/test_fast_tier.py
     STEP_S=130 run python3 -m pytest -q -m "gpu and not slow" tests/kernels/test_mixing_stack.py
     STEP_S=100 run python3 benchmarks/model.py --cases bar:192,1536 --paths fused-fp16x3 fused --repeats 5 --no-agreement --profile --profile-max-atoms 2000
+    ;;
+  sweep-rest)  # fp16x3 tiles for the grid shapes without table entries (Cf 64 / lmax 3; ~2.5 min per shape), then the grid without compile
+    STEP_S=480 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --sweep --sweep-cases all --sweep-precisions fp16x3 --sweep-skip-tuned
+    STEP_S=100 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py -k "realistic and fp16x3"
     ;;
   closing)  # last call of a session (~5.5 min): the service (paired overhead, steady-window crowd), then the gpu tests of the replay, the stack's capture, golden systems and served checkpoints
     STEP_S=170 run python3 benchmarks/service.py --device cuda --quick --phases in_process engine http throughput

@@ -290,13 +290,18 @@ def _timed_if_valid(
 
 
 def sweep(
-    cases: list[Case], n_edge: int, meta: dict[str, object], precisions: list[StackPrecision]
+    cases: list[Case],
+    n_edge: int,
+    meta: dict[str, object],
+    precisions: list[StackPrecision],
+    skip_tuned: bool = False,
 ) -> Path:
     """Pick per (kind, Cf, lmax, precision) the fastest validated tile; write the GPU's table.
 
     Kinds are tuned in order (block GEMMs by the forward time; the gate GEMMs, which the
     backward launches too, and the backward by the fwd+bwd time), each with the winners so far
-    in place. Entries of tiers not swept this time are kept from the existing table.
+    in place. Entries of tiers not swept this time are kept from the existing table;
+    ``skip_tuned`` also leaves alone every shape whose entries of the swept tiers all exist.
     """
     gpu = torch.cuda.get_device_name().lower().replace(" ", "_")
     out_path = kernels.TABLE_DIR / f"mixing_stack_{gpu}.json"
@@ -312,6 +317,16 @@ def sweep(
         key = (c.lmax, c.focus_dim)
         fewest[key] = min(fewest.get(key, c.n_focus), c.n_focus)
     shapes = sorted((lmax, focus_dim, n_focus) for (lmax, focus_dim), n_focus in fewest.items())
+    if skip_tuned:
+        shapes = [
+            (lmax, focus_dim, n_focus)
+            for lmax, focus_dim, n_focus in shapes
+            if not all(
+                table_key(kind, focus_dim, lmax, tier) in table
+                for tier in precisions
+                for kind in _KINDS[tier]
+            )
+        ]
     for lmax, focus_dim, n_focus in shapes:
         case = Case(f"sweep_l{lmax}_cf{focus_dim}", lmax, focus_dim, n_focus, n_edge)
         ops = make_operands(case, seed=1)
@@ -358,6 +373,10 @@ def main() -> None:
         help="shapes to tune: the bar case (Cf 128, lmax 2), plus the shipped default model's "
         "(Cf 64, lmax 2) with 'served', or every benchmarked shape",
     )
+    parser.add_argument(
+        "--sweep-skip-tuned", action="store_true",
+        help="sweep only the shapes the table lacks entries for",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     # A compiled reference past Dynamo's recompile limit must fail, not time eager code.
@@ -378,7 +397,9 @@ def main() -> None:
     if args.sweep:
         tuned = all_cases(args.sweep_cases, args.sweep_edges)
         tiers = [StackPrecision.parse(p) for p in args.sweep_precisions]
-        meta["table"] = str(sweep(tuned, args.sweep_edges, meta, tiers))
+        meta["table"] = str(
+            sweep(tuned, args.sweep_edges, meta, tiers, skip_tuned=args.sweep_skip_tuned)
+        )
     rows = []
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
