@@ -345,6 +345,8 @@ def sweep(
                     table[key] = list(astuple(best[1]))
         del ops
         torch.cuda.empty_cache()
+        # Written after every shape: a time-boxed sweep keeps the shapes it finished.
+        _write_table(out_path, table, {**meta, "sweep_edges": n_edge})
     del os.environ["SO2_STACK_TABLE"]
     _write_table(out_path, table, {**meta, "sweep_edges": n_edge})
     return out_path
