@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh sweep-rest|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh sweep-rest|grid-stack-fast|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -83,6 +83,12 @@ case "$topic" in
   sweep-rest)  # fp16x3 tiles for the grid shapes without table entries (Cf 64 / lmax 3; ~2.5 min per shape), then the grid without compile
     STEP_S=480 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --sweep --sweep-cases all --sweep-precisions fp16x3 --sweep-skip-tuned
     STEP_S=100 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py -k "realistic and fp16x3"
+    ;;
+  grid-stack-fast)  # the mixing-stack grid at E = 1M without torch.compile (both tiers, eager), after a tile sweep (~5 min)
+    STEP_S=400 run python3 benchmarks/kernels_mixing_stack.py --cases all --no-compile
+    ;;
+  presets-fast)  # small and medium model steps, both tiers, after a tile sweep (~4 min)
+    STEP_S=330 run python3 benchmarks/model.py --cases small:192,1536,12288 medium:192,1536,12288 --paths fused-fp16x3 fused --no-agreement --repeats 3
     ;;
   closing)  # last call of a session (~5.5 min): the service (paired overhead, steady-window crowd), then the gpu tests of the replay, the stack's capture, golden systems and served checkpoints
     STEP_S=170 run python3 benchmarks/service.py --device cuda --quick --phases in_process engine http throughput
