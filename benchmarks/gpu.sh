@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh sweep-rest|grid-stack-fast|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh sweep-rest|sweep-exact|grid-stack-fast|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -83,6 +83,9 @@ case "$topic" in
   sweep-rest)  # fp16x3 tiles for the grid shapes without table entries (Cf 64 / lmax 3; ~2.5 min per shape), then the grid without compile
     STEP_S=480 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --sweep --sweep-cases all --sweep-precisions fp16x3 --sweep-skip-tuned
     STEP_S=100 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py -k "realistic and fp16x3"
+    ;;
+  sweep-exact)  # exact-tier tiles for every grid shape (~1.3 min per shape; the table is written after each)
+    STEP_S=470 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --sweep --sweep-cases all --sweep-precisions ieee --sweep-skip-tuned
     ;;
   grid-stack-fast)  # the mixing-stack grid at E = 1M without torch.compile (both tiers, eager), after a tile sweep (~5 min)
     STEP_S=400 run python3 benchmarks/kernels_mixing_stack.py --cases all --no-compile
