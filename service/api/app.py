@@ -224,6 +224,9 @@ class RequestContextMiddleware:
         return None
 
 
+_EVALUATE_PATHS = frozenset((EVALUATE_PATH, EVALUATE_PATH + "/"))
+
+
 class ServiceApp(FastAPI):
     """FastAPI for every route but ``/evaluate``, which goes straight to its bare ASGI
     endpoint (see ``evaluate.py``) without passing FastAPI's middleware stack and router."""
@@ -234,7 +237,9 @@ class ServiceApp(FastAPI):
         self.evaluate_endpoint = EvaluateEndpoint(state)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and route_path(scope) == EVALUATE_PATH:
+        # "/evaluate/" too: the endpoint bypasses FastAPI's router, so the router's slash
+        # redirect never applies to it and the slashed spelling would be a 404.
+        if scope["type"] == "http" and route_path(scope) in _EVALUATE_PATHS:
             await self.evaluate_endpoint(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)

@@ -71,9 +71,19 @@ def _species(value: object) -> np.ndarray:
     if not value:  # np.asarray([]) is float: let validation report the empty structure
         return np.zeros(0, dtype=np.int64)
     raw = np.asarray(value)
+    if raw.dtype.kind == "U" and raw.ndim == 1 and _has_nul(value):
+        # numpy drops trailing NULs from str elements: "H\x00" would be read as hydrogen.
+        raise ValueError("species symbols must not contain NUL characters")
     if raw.dtype.kind in "iu" or (raw.dtype.kind == "U" and raw.ndim == 1):
         return raw
     raise ValueError("species must be all element symbols or all atomic numbers")
+
+
+def _has_nul(symbols: list[Any] | tuple[Any, ...]) -> bool:
+    try:
+        return "\x00" in "".join(symbols)
+    except TypeError:  # not all strings: an unknown symbol or a mixed list, reported later
+        return False
 
 
 def _array_schema(depth: int, inner: int | None = None) -> WithJsonSchema:

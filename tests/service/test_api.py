@@ -335,6 +335,15 @@ def test_a_stalled_body_gets_408_and_the_server_keeps_serving() -> None:
 def test_unknown_routes_and_methods(client: httpx.Client) -> None:
     assert_error(client.get("/nowhere"), 404, "not_found")
     assert_error(client.get("/evaluate"), 405, "method_not_allowed")
+    assert_error(client.get("/evaluate/"), 405, "method_not_allowed")
+
+
+def test_evaluate_answers_with_a_trailing_slash(client: httpx.Client) -> None:
+    doc = request_document([small_molecule()], ["energy"])
+    plain = client.post("/evaluate", json=doc)
+    slashed = client.post("/evaluate/", json=doc)
+    assert slashed.status_code == plain.status_code == 200
+    assert slashed.json()["results"] == plain.json()["results"]
 
 
 def test_api_key_is_enforced_when_set() -> None:

@@ -86,6 +86,7 @@ def test_default_properties_and_extra_fields() -> None:
         (lambda d: d["structures"][0].update(positions=[["a", 0, 0]]), "structures[0].positions"),
         (lambda d: d["structures"][0].update(species="CH4"), "structures[0].species"),
         (lambda d: d["structures"][0].update(species=[6.0, 1.0]), "structures[0].species"),
+        (lambda d: d["structures"][0].update(species=["C", "H\x00"]), "structures[0].species"),
         (lambda d: d["structures"][0].update(pbc=[1, 0, 0]), "structures[0].pbc"),
         (lambda d: d.update(structures=[]), "structures"),
     ],
