@@ -2,7 +2,8 @@
 
 Status, code and when:
 
-* 400 ``malformed_body``: body is not valid JSON / msgpack.
+* 400 ``malformed_body``: body is not valid JSON / msgpack; 400 ``malformed_http``: the bytes
+  are not an HTTP/1.1 request at all (answered by the protocol, ``http_protocol.py``).
 * 401 ``unauthorized``: API key missing or wrong (when one is set).
 * 404 ``not_found``: unknown route; 405 ``method_not_allowed``: wrong method for the route.
 * 413 ``too_many_atoms``: a structure above ``--max-atoms``; 413 ``body_too_large``: body above

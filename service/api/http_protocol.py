@@ -19,6 +19,9 @@ Python meanwhile. So a plain TCP (or Unix) connection whose transport has nothin
 is written with ``os.write`` on its socket (which releases the GIL), and whatever the socket
 does not take at once goes to the transport, which queues it as usual; TLS connections, and
 anything else without a plain socket, go through the transport.
+
+Bytes that are not HTTP get the service's JSON error body (``malformed_http``) like every other
+failure, instead of uvicorn's plain-text 400.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import os
 from typing import Any, cast
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from service.api.errors import error_body
 
 
 def _is_bare_head(data: bytes) -> bool:
@@ -117,9 +122,26 @@ class HeadJoiningTransport:
 
 class HeadJoiningHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     """uvicorn's automatic HTTP protocol (httptools, else h11) over a
-    ``HeadJoiningTransport``; pass it as uvicorn's ``http`` option."""
+    ``HeadJoiningTransport``; pass it as uvicorn's ``http`` option. A request that is not
+    parseable HTTP gets the service's JSON error (code ``malformed_http``) instead of
+    uvicorn's plain-text 400."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports have the asyncio.Transport methods without subclassing it.
         stream = cast(asyncio.Transport, transport)
         super().connection_made(HeadJoiningTransport(stream, asyncio.get_running_loop()))
+
+    def send_400_response(self, msg: str) -> None:
+        # Both uvicorn protocols call this on a parse error and write nothing else to the
+        # connection, which closes right after: a whole answer as raw bytes fits either.
+        body = error_body("malformed_http", f"the request is not valid HTTP/1.1: {msg}")
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()

@@ -215,3 +215,32 @@ def test_tls_and_socketless_transports_are_written_through_the_transport() -> No
             tls = SocketTransport(ours, **extra)
             assert plain_socket_fd(cast(asyncio.Transport, tls)) is None
     assert plain_socket_fd(cast(asyncio.Transport, RecordingTransport())) is None
+
+
+def test_bytes_that_are_not_http_get_a_json_400() -> None:
+    """uvicorn's plain-text answer to an unparseable request becomes the service's JSON error,
+    and the server keeps serving."""
+    import json
+
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/plain")
+    def plain() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    with running_server(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(b"NOT HTTP AT ALL\x00\x01\r\n\r\n")
+            answer = b""
+            while chunk := conn.recv(4096):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ")
+        assert b"content-type: application/json" in head.lower()
+        error = json.loads(body)
+        assert error["code"] == "malformed_http" and "not valid HTTP" in error["message"]
+        with httpx.Client(base_url=url, timeout=10) as client:
+            assert client.get("/plain").json() == {"ok": "yes"}
