@@ -249,7 +249,7 @@ def make_engine(evaluator: Evaluator, metrics: Any, profiler: Any = None) -> Any
     info = evaluator.info()
     return Engine(
         Worker(evaluator, metrics),
-        batch_limits(ServiceSettings()),
+        batch_limits(ServiceSettings(), evaluator.execution.device),
         metrics,
         rcut=float(info["rcut"]),
         elements=[atomic_numbers[e] for e in info["elements"]],

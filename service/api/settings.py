@@ -69,7 +69,8 @@ class ServiceSettings(BaseSettings):
         default=2048,
         ge=0,
         description="largest pass run on the event loop when its request is alone (no thread "
-        "hop; the loop is busy meanwhile); 0: every pass in the worker thread",
+        "hop; the loop is busy meanwhile); 0: every pass in the worker thread. Unless set, a "
+        "model on the CPU runs every pass in the worker thread",
     )
     switch_interval_ms: float = Field(
         default=5.0,

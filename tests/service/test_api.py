@@ -430,6 +430,15 @@ def test_keep_alive_connections_are_the_clients_a_pass_waits_for(
     assert max(n for n, _ in pot.calls) == 4
 
 
+def test_a_cpu_model_runs_every_pass_in_the_worker_unless_told_otherwise() -> None:
+    """A CPU pass of thousands of atoms takes seconds: by default it must not run on (and
+    block) the event loop; an explicit ``inline_max_atoms`` is still obeyed."""
+    with serve() as (url, _), httpx.Client(base_url=url, timeout=30) as c:
+        c.post("/evaluate", json=request_document([small_molecule("H2O")], ALL))
+        assert c.get("/info").json()["limits"]["inline_max_atoms"] == 0
+        assert sample_value(c.get("/metrics").text, "so2serve_inline_passes_total") == 0
+
+
 @pytest.mark.parametrize("inline_max_atoms", [0, 2048])
 def test_a_lone_client_is_answered_from_the_event_loop_unless_turned_off(
     inline_max_atoms: int,
