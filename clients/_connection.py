@@ -35,7 +35,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 MAX_LINE_BYTES = 65536
 """Longest status or header line accepted (a guard against a peer that is not HTTP)."""
@@ -72,6 +72,16 @@ class Reply:
         return self.headers.get(name.lower(), default)
 
 
+def split_service_url(url: str) -> SplitResult:
+    """``url`` split into its parts; ``ValueError`` unless it names an http(s) host and, if
+    any, a valid port."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL, got {url!r}")
+    _ = parts.port  # a non-numeric or out-of-range port raises ValueError here
+    return parts
+
+
 class KeepAliveConnection:
     """Sequential requests over one kept-alive connection to ``url`` (http or https).
 
@@ -88,10 +98,9 @@ class KeepAliveConnection:
     ) -> None:
         if spin_lead_s < 0:
             raise ValueError(f"spin_lead_s must be >= 0, got {spin_lead_s}")
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"expected an http:// or https:// URL, got {url!r}")
+        parts = split_service_url(url)
         self._tls = parts.scheme == "https"
+        assert parts.hostname is not None  # split_service_url requires a host
         self._host = parts.hostname
         self._port = parts.port or (443 if self._tls else 80)
         self._prefix = parts.path.rstrip("/")

@@ -56,6 +56,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from clients._connection import split_service_url
 from clients.http import (
     decode_response,
     encode_request,
@@ -161,15 +162,14 @@ def _structure_index(detail: Any) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _service_url(url: str) -> httpx.URL:
-    """``url`` parsed; one that names no http(s) host aborts the run (every request would fail)."""
+def _service_url(url: str) -> str:
+    """``url``, if it names an http(s) host; otherwise the run aborts (every request would
+    fail)."""
     try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as exc:
-        raise ScreenAborted(f"not a service URL: {url!r}: {exc}") from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ScreenAborted(f"expected an http:// or https:// service URL, got {url!r}")
-    return parsed
+        split_service_url(url)
+    except ValueError:
+        raise ScreenAborted(f"expected an http:// or https:// service URL, got {url!r}") from None
+    return url
 
 
 class _HttpBackend:

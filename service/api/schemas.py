@@ -71,10 +71,12 @@ def _species(value: object) -> np.ndarray:
     if not value:  # np.asarray([]) is float: let validation report the empty structure
         return np.zeros(0, dtype=np.int64)
     raw = np.asarray(value)
-    if raw.dtype.kind == "U" and raw.ndim == 1 and _has_nul(value):
-        # numpy drops trailing NULs from str elements: "H\x00" would be read as hydrogen.
-        raise ValueError("species symbols must not contain NUL characters")
-    if raw.dtype.kind in "iu" or (raw.dtype.kind == "U" and raw.ndim == 1):
+    if raw.dtype.kind == "U" and raw.ndim == 1:
+        if _has_nul(value):
+            # numpy drops trailing NULs from str elements: "H\x00" would be read as hydrogen.
+            raise ValueError("species symbols must not contain NUL characters")
+        return raw
+    if raw.dtype.kind in "iu":
         return raw
     raise ValueError("species must be all element symbols or all atomic numbers")
 
