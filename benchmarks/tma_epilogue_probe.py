@@ -189,7 +189,8 @@ def main() -> None:
         box = [1, tile.block_m, tile.block_n]
 
         def shipped(z: torch.Tensor = outs["shipped"][0],
-                    out: torch.Tensor = outs["shipped"][1], meta: dict[str, Any] = meta, grid: tuple[int] = grid, bk: int = bk,
+                    out: torch.Tensor = outs["shipped"][1], meta: dict[str, Any] = meta,
+                    grid: tuple[int] = grid, bk: int = bk,
                     ops: tuple[torch.Tensor, torch.Tensor] = ops, tile: Any = tile) -> None:  # fmt: skip
             block_fwd_desc_kernel[grid](
                 row_descriptor(u, tile.block_m, bk),
