@@ -15,11 +15,11 @@ ground truth). ``--profile`` adds, per fused tier, the GPU time of every kernel 
 forward+backward step (``kernels_ms``). Results go to
 ``benchmarks/results/kernels_mixing_stack_<date>.json``.
 
-``--sweep`` times candidate launch tiles per kernel family (``fwd``, ``gate``, ``bwd``, and for
-fp16x3 ``fbwd``) and
-precision, keeps only candidates whose outputs are finite and within tolerance of float64 (some
-pipelined fp16 configurations are known to miscompile into NaN rows), and writes the winners to
-``so2kernels/tables/mixing_stack_<gpu>.json``. Re-run it after any kernel edit.
+``--sweep`` times candidate launch tiles per kernel family (``fwd``, ``gate``, ``gbwd``, ``bwd``,
+and for fp16x3 ``fbwd``) and precision, keeps only candidates whose outputs are finite and
+within tolerance of float64 (some pipelined fp16 configurations are known to miscompile into NaN
+rows), and writes the winners to ``so2kernels/tables/mixing_stack_<gpu>.json``. Re-run it after
+any kernel edit.
 """
 
 from __future__ import annotations
@@ -246,9 +246,12 @@ _FAST_CANDIDATES = [
     TileConfig(64, 128, 32, 4, 3), TileConfig(64, 64, 32, 4, 3), TileConfig(128, 128, 64, 8, 3),
     TileConfig(128, 128, 32, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(64, 128, 64, 4, 3),
 ]  # fmt: skip
+# The gate-row backward moves the most bytes per gate GEMM; at the bar case 32-edge tiles ran it
+# 5 % faster than 64 (gate_kernels_probe_20261130T145604Z.json), the other gate kernels slower.
+_GATE_BWD_CANDIDATES = [TileConfig(64, 64, 32, 4, 3), TileConfig(32, 64, 32, 4, 3)]
 _KINDS = {
-    StackPrecision.EXACT: ("fwd", "gate", "bwd"),
-    StackPrecision.FAST: ("fwd", "gate", "bwd", "fbwd"),
+    StackPrecision.EXACT: ("fwd", "gate", "gbwd", "bwd"),
+    StackPrecision.FAST: ("fwd", "gate", "gbwd", "bwd", "fbwd"),
 }
 """Kernel families per tier (see ``so2kernels.mixing_stack_kernels.table_key``)."""
 
@@ -331,11 +334,13 @@ def sweep(
         case = Case(f"sweep_l{lmax}_cf{focus_dim}", lmax, focus_dim, n_focus, n_edge)
         ops = make_operands(case, seed=1)
         for precision in precisions:
-            candidates = _FAST_CANDIDATES if precision is StackPrecision.FAST else _EXACT_CANDIDATES
+            tier_candidates = (
+                _FAST_CANDIDATES if precision is StackPrecision.FAST else _EXACT_CANDIDATES
+            )
             for kind in _KINDS[precision]:
                 key = table_key(kind, focus_dim, lmax, precision)
                 best: tuple[float, TileConfig] | None = None
-                for cfg in candidates:
+                for cfg in _GATE_BWD_CANDIDATES if kind == "gbwd" else tier_candidates:
                     _write_table(scratch, {**table, key: list(astuple(cfg))}, meta)
                     ms = _timed_if_valid(case, precision, ops, backward=kind != "fwd")
                     print(f"  sweep {key} {cfg}: {ms} ms", flush=True)

@@ -190,8 +190,8 @@ def main() -> None:
 
         def shipped(z: torch.Tensor = outs["shipped"][0],
                     out: torch.Tensor = outs["shipped"][1], meta: dict[str, Any] = meta,
-                    grid: tuple[int] = grid, bk: int = bk,
-                    ops: tuple[torch.Tensor, torch.Tensor] = ops, tile: Any = tile) -> None:  # fmt: skip
+                    grid: tuple[int] = grid, bk: int = bk, tile: Any = tile,
+                    ops: tuple[torch.Tensor, torch.Tensor] = ops) -> None:  # fmt: skip
             block_fwd_desc_kernel[grid](
                 row_descriptor(u, tile.block_m, bk),
                 *weight_descriptors(ops, bk, tile.block_n),

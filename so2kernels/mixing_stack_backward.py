@@ -290,7 +290,8 @@ def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
     m0, m1, gate_width = block_widths(lmax, focus_dim)
     precision = StackPrecision.EXACT
     run = _Launcher.of("bwd", args, precision)
-    gate_run = _Launcher.of("gate", args, precision)
+    gate_run = _Launcher.of("gbwd", args, precision)
+    scalar_run = _Launcher.of("gate", args, precision)
     w0t, w1t, gws, gwts = _backward_weights(args, precision)
 
     grad_alpha = _grad_alpha(grad_out, x_local, alpha, apply_alpha)
@@ -318,9 +319,9 @@ def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
             z_all, gws[0], gws[1], g, gz, grad_logit, u_above, u_in, n_edge, layer,
             RECOVER=recover, **gate_run.meta,
         )  # fmt: skip
-        wrap_triton(scalar_bwd_kernel)[gate_run.grid(focus_dim)](
+        wrap_triton(scalar_bwd_kernel)[scalar_run.grid(focus_dim)](
             grad_logit, gwts[0], gwts[1], z_all, g, gz, u_above, u_in, n_edge, layer,
-            RECOVER=recover, **gate_run.meta,
+            RECOVER=recover, **scalar_run.meta,
         )  # fmt: skip
         if grad_z is not None:
             gz += grad_z[layer]
@@ -357,7 +358,8 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     precision = StackPrecision.FAST
     final_run = _Launcher.of("fbwd", args, precision)
     block_run = _Launcher.of("bwd", args, precision)
-    gate_run = _Launcher.of("gate", args, precision)
+    gate_run = _Launcher.of("gbwd", args, precision)
+    scalar_run = _Launcher.of("gate", args, precision)
     w0t, w1t, gws, gwts = _backward_weights(args, precision)
 
     g = torch.empty_like(u_final)
@@ -381,7 +383,6 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     gz_split = u_final.new_empty((2, *u_final.shape), dtype=torch.float16)
     grad_logit = u_final.new_empty((n_focus, n_edge, gate_width))
     g_next = torch.empty_like(u_final)
-    gate_meta = gate_run.meta_no_fast
     u_above = u_final
     for layer in reversed(range(n_gated)):
         recover = need_weights and layer > 0
@@ -389,11 +390,11 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
         gz_up = z_all if grad_z is None else grad_z  # z_all: an unread stand-in
         wrap_triton(gate_bwd_split_kernel)[gate_run.grid(gate_width)](
             z_all, gws[0], gws[1], g, gz_up, gz_split, grad_logit, u_above, u_in, n_edge, layer,
-            HAS_GZ_UP=grad_z is not None, RECOVER=recover, **gate_meta,
+            HAS_GZ_UP=grad_z is not None, RECOVER=recover, **gate_run.meta_no_fast,
         )  # fmt: skip
-        wrap_triton(scalar_bwd_split_kernel)[gate_run.grid(focus_dim)](
+        wrap_triton(scalar_bwd_split_kernel)[scalar_run.grid(focus_dim)](
             grad_logit, gwts[0], gwts[1], z_all, g, gz_up, gz_split, u_above, u_in, n_edge, layer,
-            HAS_GZ_UP=grad_z is not None, RECOVER=recover, **gate_meta,
+            HAS_GZ_UP=grad_z is not None, RECOVER=recover, **scalar_run.meta_no_fast,
         )  # fmt: skip
         if need_weights:
             # The planes hold gz to within 2^-22 relative (11 + 11 significant bits), the fast

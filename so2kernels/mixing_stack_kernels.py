@@ -137,11 +137,17 @@ def _load_table(gpu_key: str) -> dict[str, list[int]]:
 def table_key(kind: str, focus_dim: int, lmax: int, precision: StackPrecision) -> str:
     """Key of one table entry, e.g. ``"fwd|cf128|l2|ieee"``.
 
-    Kinds: ``fwd`` (forward block GEMMs), ``gate`` (gate GEMMs of the forward, and of the exact
-    backward), ``bwd`` (residual GEMMs of the gated layers' backward); fast tier only: ``fbwd``
-    (the final layer's residual GEMMs, which split their fp32 operand in registers).
+    Kinds: ``fwd`` (forward block GEMMs), ``gate`` (the forward's gate kernel and the
+    backward's scalar-row kernel), ``gbwd`` (the backward's gate-row kernel; the ``gate`` entry
+    stands in where it has none), ``bwd`` (residual GEMMs of the gated layers' backward); fast
+    tier only: ``fbwd`` (the final layer's residual GEMMs, which split their fp32 operand in
+    registers).
     """
     return f"{kind}|cf{focus_dim}|l{lmax}|{precision.value}"
+
+
+_STAND_IN_KIND = {"gbwd": "gate"}
+"""Kinds whose table entry may be missing: the kind whose entry stands in (older tables)."""
 
 
 def tile_config(
@@ -150,7 +156,10 @@ def tile_config(
     """Launch tile for a kernel family on ``device``: swept table entry, else the fallback."""
     if device.type != "cuda":
         return _INTERPRETER
-    entry = _load_table(_gpu_key(device)).get(table_key(kind, focus_dim, lmax, precision))
+    table = _load_table(_gpu_key(device))
+    entry = table.get(table_key(kind, focus_dim, lmax, precision))
+    if entry is None and kind in _STAND_IN_KIND:
+        entry = table.get(table_key(_STAND_IN_KIND[kind], focus_dim, lmax, precision))
     if entry is not None:
         return TileConfig(*entry)
     return fallback_tile(precision)

@@ -490,6 +490,30 @@ def compile_all_for_sm90(fast: bool) -> int:
     return n_compiled
 
 
+def test_tile_table_gate_backward_entry_and_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate-row backward has its own entry where the table was swept for it; tables without
+    one hand it the gate kernels' tile, and shapes without either get the fallback."""
+    fast = StackPrecision.FAST
+    table = {"gate|cf128|l2|fp16x3": [64, 64, 32, 4, 3], "gbwd|cf128|l2|fp16x3": [32, 64, 32, 4, 3],
+             "gate|cf64|l2|fp16x3": [64, 32, 32, 4, 2]}  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    monkeypatch.setattr(mixing_stack_kernels, "_load_table", lambda gpu_key: table)
+    cuda = torch.device("cuda")
+
+    def tile(kind: str, focus_dim: int) -> tuple[int, ...]:
+        cfg = mixing_stack_kernels.tile_config(kind, focus_dim, 2, fast, cuda)
+        return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+
+    assert tile("gbwd", 128) == (32, 64, 32, 4, 3)
+    assert tile("gate", 128) == (64, 64, 32, 4, 3)
+    assert tile("gbwd", 64) == (64, 32, 32, 4, 2)
+    fallback = mixing_stack_kernels.fallback_tile(fast)
+    assert tile("gbwd", 96) == tile("bwd", 64) == (
+        fallback.block_m, fallback.block_n, fallback.block_k, fallback.num_warps,
+        fallback.num_stages,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("fast", "n_variants"), [(False, 12), (True, 13)])
 def test_kernels_compile_for_sm90(fast: bool, n_variants: int) -> None:
