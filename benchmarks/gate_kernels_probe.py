@@ -55,7 +55,7 @@ TILES = [(64, 64, 32, 4, 3), (64, 64, 32, 4, 2), (32, 64, 32, 4, 3), (128, 64, 3
 def gate_bwd_early_kernel(
     z_ptr, gw_ptr, gw_lo_ptr, g_ptr, gzs_ptr, q_ptr, n_edge, layer,
     L: tl.constexpr, FD: tl.constexpr, MODE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``gate_bwd_split_kernel`` (force path: no z cotangent, no recovery) with the rows loaded
     first. MODE 0: rows kept; 1: Σ g·z first, g reloaded; 2: no GEMM (gate = 0.5)."""
@@ -101,7 +101,7 @@ def gate_bwd_early_kernel(
 def scalar_bwd_early_kernel(
     q_ptr, gwt_ptr, gwt_lo_ptr, z_ptr, g_ptr, gzs_ptr, n_edge, layer,
     L: tl.constexpr, FD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``scalar_bwd_split_kernel`` (force path) with the scalar rows loaded before the GEMM."""
     GWD: tl.constexpr = L * FD
@@ -128,7 +128,7 @@ def scalar_bwd_early_kernel(
 def gate_fwd_early_kernel(
     z_ptr, gw_ptr, gw_lo_ptr, res_ptr, sig_ptr, out_ptr, n_edge, layer,
     L: tl.constexpr, FD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``gate_fwd_kernel`` of the stack (l>=1 m=0 rows, σ stored) with its rows loaded first."""
     GWD: tl.constexpr = L * FD

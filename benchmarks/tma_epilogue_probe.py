@@ -59,7 +59,7 @@ BWD_TILES = [TileConfig(64, 128, 32, 4, 3), TileConfig(128, 128, 32, 8, 3),
 def block_fwd_tma_kernel(
     u_desc, w_desc, w_lo_desc, res_desc, z_desc, sig_desc, out_desc, n_edge, n_focus, layer,
     L: tl.constexpr, FD: tl.constexpr, M1_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Gated-layer ``block_fwd_desc_kernel`` with the epilogue through descriptors over the
     block's columns: ``res_desc``/``out_desc`` (F, E, W), ``z_desc`` (NG·F, E, W), ``sig_desc``
@@ -95,7 +95,7 @@ def block_fwd_tma_kernel(
 def block_bwd_tma_kernel(
     a_desc, wt_desc, wt_lo_desc, res_desc, out_desc, n_edge, n_focus, layer,
     L: tl.constexpr, FD: tl.constexpr, M1_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Gated-layer ``block_bwd_desc_kernel`` (A = split planes) with ``g`` read and ``g_in``
     stored through (F, E, W) descriptors."""
