@@ -156,3 +156,21 @@ def test_continuity_across_cutoff(model) -> None:  # type: ignore[no-untyped-def
     assert abs(float(inside.energy[0] - outside.energy[0])) < 1e-8
     assert float(inside.forces.abs().max()) < 1e-8
     assert float(outside.forces.abs().max()) == 0.0
+
+
+def test_fp64_path_is_rotation_invariant_to_fp64_rounding() -> None:
+    """fp64 validation runs every constant in float64: the S2-grid FFN's Lebedev projectors and
+    the norms' degree weights are computed in float64 and must not come back from the model's
+    default float32 with float32's rounding (that left ~3e-8 eV/Å of rotation error)."""
+    config = preset("tiny", ["O", "H"], rcut=4.0, channels=32, n_focus=2, focus_dim=32,
+                    n_blocks=2, ffn="s2")  # fmt: skip
+    pot = _pot(randomized_model(config, seed=2), "fp64")
+    atoms = _molecule()
+    ref = _predict(pot, atoms)
+    rot = _random_rotation(11)
+    moved = atoms.copy()
+    moved.positions = atoms.positions @ rot.T
+    out = _predict(pot, moved)
+    f_scale = float(np.abs(ref.forces.numpy()).max())
+    assert abs(float(out.energy[0]) - float(ref.energy[0])) <= 1e-12 * abs(float(ref.energy[0]))
+    np.testing.assert_allclose(out.forces.numpy(), ref.forces.numpy() @ rot.T, atol=1e-12 * f_scale)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from service.model.layers.constants import ExactConstants
 from service.model.layers.linear import DegreeLinear, degree_of_packed_rows
 from service.model.layers.pointwise import multiply_add
 from service.model.layers.sphere import s2_grid_projectors
@@ -52,7 +53,7 @@ class GatedGLUFFN(nn.Module):
         return gated
 
 
-class S2GridGLUFFN(nn.Module):
+class S2GridGLUFFN(ExactConstants):
     """S2-Lebedev grid GLU FFN on packed ``(N, D, C)`` features; ``scalar_gate (2H, H)``."""
 
     scalar_and_grid: Tensor
@@ -68,9 +69,10 @@ class S2GridGLUFFN(nn.Module):
         # (1+G, D): row 0 picks the l=0 coefficients (exactly: a one-hot row), the rest project
         # onto the grid, so the scalars and the grid values come out of one batched product.
         pick_scalar = np.eye(1, to_grid.shape[1])
-        scalar_and_grid = torch.from_numpy(np.concatenate([pick_scalar, to_grid])).float()
-        self.register_buffer("scalar_and_grid", scalar_and_grid, persistent=False)
-        self.register_buffer("from_grid", torch.from_numpy(from_grid).float(), persistent=False)
+        self.register_constant(
+            "scalar_and_grid", torch.from_numpy(np.concatenate([pick_scalar, to_grid]))
+        )
+        self.register_constant("from_grid", torch.from_numpy(from_grid))
 
     def forward(self, x: Tensor, *, live: bool = True) -> Tensor:
         h = self.linear_in(x, live=live)  # (N, D, 2H)

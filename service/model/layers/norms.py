@@ -23,11 +23,12 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
+from service.model.layers.constants import ExactConstants
 from service.model.layers.derived import derived_weights, eager_frozen
 from service.model.layers.linear import degree_of_packed_rows
 
 
-class EquivariantRMSNorm(nn.Module):
+class EquivariantRMSNorm(ExactConstants):
     """Degree-balanced equivariant RMS norm; ``scale (L+1, 1, C)``, ``bias (1, C)``."""
 
     row_degree: Tensor
@@ -50,9 +51,9 @@ class EquivariantRMSNorm(nn.Module):
         # every degree counts equally.
         balance = 1.0 / ((2 * degree + 1).double() * (lmax + 1) * channels)[:, None]  # (D, 1)
         per_coefficient = balance.expand(-1, channels).flatten()
-        self.register_buffer("channel_mean", torch.full((channels,), 1.0 / channels), False)
-        self.register_buffer("balance_weight", per_coefficient.float(), persistent=False)
-        self.register_buffer("balance_rows", balance.float(), persistent=False)
+        self.register_constant("channel_mean", torch.full((channels,), 1.0 / channels))
+        self.register_constant("balance_weight", per_coefficient)
+        self.register_constant("balance_rows", balance)
         # (D, 1) -1 on the l=0 row: ``x + mean·centring`` centres that row alone in one op.
         self.register_buffer("centring", -(degree == 0).float()[:, None], persistent=False)
 
