@@ -20,6 +20,7 @@ from functools import cached_property
 
 import numpy as np
 import torch
+from ase.geometry import minkowski_reduce
 from numpy.typing import ArrayLike, NDArray
 from torch import Tensor
 
@@ -29,8 +30,10 @@ from service.graph.errors import InvalidStructureError
 MAX_ATOMIC_NUMBER = 118
 
 MIN_CELL_HEIGHT = 0.5
-"""Å. A periodic axis thinner than this puts every atom within 0.5 Å of its own image (nothing
-physical) and would make the image enumeration explode; such cells are rejected as singular."""
+"""Å. A periodic axis thinner than this, in the given basis and in its reduced basis, puts every
+atom within 0.5 Å of its own image (nothing physical) and would make the image enumeration
+explode; such cells are rejected as singular. A thin axis of a skewed basis alone is not: the
+reduced basis of that lattice is used instead."""
 
 MAX_COORDINATE = 1.0e7
 """Å. Largest accepted |coordinate| of a position or a lattice vector. Far beyond any physical
@@ -400,7 +403,7 @@ def _validate_cell_pbc(
             )
         return np.zeros((3, 3)), pbc
     if pbc.any():
-        _check_periodic_lattice(cell, pbc, field, index)
+        cell = _usable_lattice(cell, pbc, field, index)
     return cell, pbc
 
 
@@ -453,11 +456,51 @@ def _parse_pbc(raw: object, *, has_cell: bool, field: str, index: int) -> NDArra
     return pbc.astype(bool)
 
 
-def _check_periodic_lattice(
+@dataclass(frozen=True)
+class _LatticeDefect:
+    """Why the periodic axes of a cell cannot be used; ``thin``: a height between the basis's
+    lattice planes is below ``MIN_CELL_HEIGHT`` (in another basis of the lattice it may not be)."""
+
+    thin: bool
+    message: str
+
+
+def _usable_lattice(
     cell: NDArray[np.float64], pbc: NDArray[np.bool_], field: str, index: int
-) -> None:
+) -> NDArray[np.float64]:
+    """``cell`` when its periodic axes pass :func:`_lattice_defect`, else the same lattice in a
+    reduced basis when that one passes. A skewed basis of an ordinary lattice (variable-cell MD
+    shears the cell without re-reducing it) can have basis heights far below the lattice's own
+    plane spacing. Energy, forces, virial and volume are the same in every basis of a lattice,
+    and the positions are left as they are."""
+    defect = _lattice_defect(cell, pbc)
+    if defect is None:
+        return cell
+    if defect.thin:
+        reduced = _reduced_basis(cell, pbc)
+        if reduced is not None and _lattice_defect(reduced, pbc) is None:
+            return reduced
+    raise InvalidStructureError("singular_cell", defect.message, field=f"{field}.cell", index=index)
+
+
+def _reduced_basis(cell: NDArray[np.float64], pbc: NDArray[np.bool_]) -> NDArray[np.float64] | None:
+    """Minkowski-reduced basis of the periodic rows, the others untouched; None when ASE gives up
+    on the reduction or would move a non-periodic row."""
+    try:
+        with np.errstate(all="raise"):
+            _, op = minkowski_reduce(cell, pbc=pbc)
+    except (RuntimeError, ArithmeticError, ValueError):  # ASE gave up, or the floats did
+        return None
+    op = np.asarray(op, dtype=np.int64)
+    fixed = ~pbc
+    if not np.array_equal(op[fixed], np.eye(3, dtype=np.int64)[fixed]) or op[pbc][:, fixed].any():
+        return None
+    reduced: NDArray[np.float64] = op.astype(np.float64) @ cell
+    return reduced
+
+
+def _lattice_defect(cell: NDArray[np.float64], pbc: NDArray[np.bool_]) -> _LatticeDefect | None:
     """Periodic lattice vectors must be independent and no periodic height below 0.5 Å."""
-    name = f"{field}.cell"
     axes = np.flatnonzero(pbc)
     if len(axes) == 3:  # the common case
         lengths, gram_volume, bases = _full_lattice_measures(cell.tolist())
@@ -470,30 +513,25 @@ def _check_periodic_lattice(
     # products of tiny lengths underflow to 0 and would slip through them.
     short = [axis for axis, length in zip(axes.tolist(), lengths, strict=True) if length == 0.0]
     if short or gram_volume < _MIN_RELATIVE_VOLUME * math.prod(lengths):
-        raise InvalidStructureError(
-            "singular_cell",
+        return _LatticeDefect(
+            False,
             f"lattice vectors of the periodic axes {axes.tolist()} are zero or linearly dependent",
-            field=name,
-            index=index,
         )
     for axis, length in zip(axes.tolist(), lengths, strict=True):
-        if length < MIN_CELL_HEIGHT:
-            raise InvalidStructureError(
-                "singular_cell",
+        if length < MIN_CELL_HEIGHT:  # then some height is this thin in every basis
+            return _LatticeDefect(
+                False,
                 f"periodic lattice vector {axis} is only {length:.3g} Å long "
                 f"(minimum {MIN_CELL_HEIGHT} Å)",
-                field=name,
-                index=index,
             )
     for axis, base in zip(axes.tolist(), bases, strict=True):
         height = gram_volume / base
         if not height >= MIN_CELL_HEIGHT:  # NaN-safe
-            raise InvalidStructureError(
-                "singular_cell",
+            return _LatticeDefect(
+                True,
                 f"periodic axis {axis} is only {height:.3g} Å thick (minimum {MIN_CELL_HEIGHT} Å)",
-                field=name,
-                index=index,
             )
+    return None
 
 
 def _full_lattice_measures(

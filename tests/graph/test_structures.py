@@ -92,6 +92,40 @@ def test_invalid_input(changes: dict[str, Any], code: str, field: str) -> None:
     assert str(err)
 
 
+@pytest.mark.parametrize(
+    ("pbc", "skew"),
+    [
+        ((True, True, True), [[1, 7, 0], [0, 1, 0], [0, 0, 1]]),
+        ((True, True, True), [[1, 0, 0], [0, 1, 9], [0, 0, 1]]),
+        ((False, True, True), [[1, 0, 0], [0, 1, 9], [0, 0, 1]]),
+        ((True, True, False), [[1, 7, 0], [0, 1, 0], [0, 0, 1]]),
+    ],
+)
+def test_a_skewed_basis_is_replaced_by_the_reduced_basis_of_its_lattice(
+    pbc: tuple[bool, ...], skew: list[list[int]]
+) -> None:
+    """A basis with a plane spacing under 0.5 Å whose lattice is ordinary (here 3 × 3.2 × 3.4 Å)
+    is evaluated in the lattice's reduced basis: same lattice (an integer unimodular change of
+    the periodic rows), same volume, non-periodic rows untouched, positions untouched."""
+    cell = np.array(skew, dtype=float) @ np.diag([3.0, 3.2, 3.4])
+    packed = Structures.from_arrays([_item(cell=cell, pbc=pbc)])
+    reduced = packed.cells[0].numpy()
+    change = reduced @ np.linalg.inv(cell)
+    np.testing.assert_allclose(change, np.round(change), atol=1e-12)
+    assert abs(round(np.linalg.det(change))) == 1
+    fixed = ~np.array(pbc)
+    np.testing.assert_array_equal(reduced[fixed], cell[fixed])
+    np.testing.assert_allclose(np.sort(np.abs(reduced).max(axis=1)[~fixed]),
+                               np.sort(np.diag([3.0, 3.2, 3.4])[~fixed].max(axis=1)))  # fmt: skip
+    np.testing.assert_array_equal(packed.positions.numpy(), WATER)
+
+
+def test_a_thin_lattice_is_rejected_in_every_basis() -> None:
+    """Reduction cannot rescue a lattice whose own plane spacing is below 0.5 Å."""
+    thin = np.array([[1, 7, 0], [0, 1, 0], [0, 0, 1]], dtype=float) @ np.diag([5.0, 0.3, 5.0])
+    assert _error([_item(cell=thin)]).code == "singular_cell"
+
+
 def test_huge_atomic_numbers_are_reported_unwrapped() -> None:
     numbers = np.array([8, 1, 2**64 - 1], dtype=np.uint64)
     assert "18446744073709551615" in _error([_item(numbers=numbers)]).message

@@ -174,3 +174,18 @@ def test_fp64_path_is_rotation_invariant_to_fp64_rounding() -> None:
     f_scale = float(np.abs(ref.forces.numpy()).max())
     assert abs(float(out.energy[0]) - float(ref.energy[0])) <= 1e-12 * abs(float(ref.energy[0]))
     np.testing.assert_allclose(out.forces.numpy(), ref.forces.numpy() @ rot.T, atol=1e-12 * f_scale)
+
+
+def test_skewed_basis_gives_the_reduced_cells_results(model) -> None:  # type: ignore[no-untyped-def]
+    """A skewed basis of the triclinic lattice (its (c, a) planes 0.43 Å apart, where the
+    lattice's own spacing is 4.1 Å) is evaluated like the lattice itself: energy, forces and
+    stress."""
+    pot = _pot(model, "fp64")
+    atoms = _triclinic()
+    skewed = atoms.copy()
+    skewed.set_cell(np.array([[1, 9, 0], [0, 1, 0], [0, 0, 1]]) @ atoms.cell.array)
+    props = ("energy", "forces", "stress")
+    ref, out = _predict(pot, atoms, props), _predict(pot, skewed, props)
+    assert float(out.energy[0]) == pytest.approx(float(ref.energy[0]), rel=1e-12)
+    np.testing.assert_allclose(out.forces.numpy(), ref.forces.numpy(), atol=1e-11)
+    np.testing.assert_allclose(out.stress.numpy(), ref.stress.numpy(), atol=1e-11)
