@@ -1,13 +1,16 @@
 """Screening: evaluate every structure of some files, through the service or in this process.
 
 * Inputs: anything ``ase.io.iread`` reads. Each structure is identified as ``<path>@<frame>``
-  (the path as given on the command line, so resume with the same spelling). A frame that
-  does not parse is recorded as failed (``unreadable``) and reading goes on with the next.
+  (the path as given on the command line, so resume with the same spelling; a path given twice
+  is read once). A frame that does not parse is recorded as failed (``unreadable``) and reading
+  goes on with the next.
 * Structures travel in batches (bounded by atoms and count) with a bounded number of requests
   in flight; the service coalesces them further on the device.
 * Outputs in the output folder:
   ``results.extxyz`` (one frame per evaluated structure, in completion order, with energy,
-  forces, stress when periodic, and ``screen_id``/``source``/``frame`` in the info line),
+  forces, stress when periodic, and ``screen_id``/``source``/``frame`` in the info line; the
+  input's own info entries and per-atom arrays that extxyz can hold unchanged come along, a
+  reference ``energy``/``free_energy``/``stress``/``forces`` of the input as ``input_<name>``),
   ``summary.csv`` (one row per structure, in input order: status, energy, energy per atom,
   max force, error), ``journal.jsonl`` (the resume log).
 * Failures: transient ones (connection, 502/503/504) are retried with exponential backoff; a
@@ -378,8 +381,26 @@ def _fmt(value: float | None) -> str:
 
 
 def _extxyz_frame(item: _Item, result: dict[str, Any]) -> bytes:
-    atoms = item.atoms.copy()
-    atoms.info.update({"screen_id": item.id, "source": item.source, "frame": item.frame})
+    """The structure with its results as one extxyz frame, carrying the input's own ``info``
+    and per-atom arrays where extxyz can hold them unchanged (:func:`_portable_metadata`);
+    if ASE still cannot write them, the frame carries the structure and its ids alone."""
+    ids = {"screen_id": item.id, "source": item.source, "frame": item.frame}
+    atoms = item.atoms
+    bare = Atoms(atoms.numbers, atoms.positions, cell=atoms.cell, pbc=atoms.pbc)
+    info, arrays = _portable_metadata(atoms)
+    full = bare.copy()
+    full.info.update(info)
+    for key, values in arrays.items():
+        full.set_array(key, values)
+    full.set_constraint(atoms.constraints)
+    try:
+        return _write_frame(full, ids, result)
+    except Exception:  # ASE's writer raises many types for metadata it cannot encode
+        return _write_frame(bare, ids, result)
+
+
+def _write_frame(atoms: Atoms, ids: dict[str, Any], result: dict[str, Any]) -> bytes:
+    atoms.info.update(ids)
     atoms.calc = SinglePointCalculator(
         atoms,
         energy=result["energy"],
@@ -392,6 +413,56 @@ def _extxyz_frame(item: _Item, result: dict[str, Any]) -> bytes:
     return buffer.getvalue().encode("utf-8")
 
 
+_FRAME_INFO_KEYS = frozenset(("energy", "free_energy", "stress", "Lattice", "Properties", "pbc"))
+"""info keys the frame writes itself (our results, extxyz's own fields)."""
+_FRAME_ARRAY_KEYS = frozenset(("numbers", "positions", "forces", "species", "pos"))
+_PORTABLE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+_UNPORTABLE_TEXT = re.compile(r"[\\\x00-\x1f\x7f]")
+
+
+def _portable_metadata(atoms: Atoms) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The ``info`` entries and per-atom arrays of ``atoms`` that an extxyz comment line and
+    its columns carry through a write and a read unchanged.
+
+    ASE's extxyz writer silently corrupts the rest: a key with a space or ``=``, an empty
+    string, a backslash, a tab or line break (the whole file then fails to read), None. Results
+    a reader stored with the structure (a DFT energy and forces from an extxyz or .traj file)
+    come along too. A value under one of our results' names (``energy``, ``forces``, ...) is
+    kept as ``input_<name>``.
+    """
+    info: dict[str, Any] = {}
+    stored = atoms.calc.results if atoms.calc is not None else {}  # a reader's reference values
+    per_atom = {k: v for k, v in stored.items() if np.ndim(v) == 2 and len(v) == len(atoms)}
+    per_structure = {k: v for k, v in stored.items() if k not in per_atom}
+    for key, value in {**per_structure, **atoms.info}.items():
+        name = f"input_{key}" if key in _FRAME_INFO_KEYS else key
+        if isinstance(name, str) and _PORTABLE_KEY.match(name) and _portable_value(value):
+            info[name] = value
+    arrays: dict[str, np.ndarray] = {}
+    for key, values in {**per_atom, **atoms.arrays}.items():
+        if key in ("numbers", "positions"):
+            continue
+        name = f"input_{key}" if key in _FRAME_ARRAY_KEYS else key
+        values = np.asarray(values)
+        if _PORTABLE_KEY.match(name) and values.dtype.kind in "biuf" and values.ndim <= 2:
+            arrays[name] = values
+    return info, arrays
+
+
+def _portable_value(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(value) and not _UNPORTABLE_TEXT.search(value)
+    if isinstance(value, bool | int | float | np.bool_ | np.integer | np.floating):
+        return True
+    if isinstance(value, list | tuple | np.ndarray):
+        try:
+            values = np.asarray(value)
+        except ValueError:  # ragged nesting
+            return False
+        return values.size > 0 and values.dtype.kind in "biuf" and values.ndim <= 2
+    return False
+
+
 @dataclass(frozen=True)
 class _Inputs:
     items: list[_Item]  # structures that parsed
@@ -400,10 +471,11 @@ class _Inputs:
 
 
 def read_inputs(paths: Sequence[Path]) -> _Inputs:
-    """Every structure of every file, each malformed frame a failure of its own."""
+    """Every structure of every file, each malformed frame a failure of its own. A path given
+    more than once (overlapping shell globs) is read once: its structures' ids would collide."""
     inputs = _Inputs([], [], [])
-    for path in paths:
-        for entry in _read_frames(str(path)):
+    for path in dict.fromkeys(str(p) for p in paths):
+        for entry in _read_frames(path):
             if isinstance(entry, _Item):
                 inputs.items.append(entry)
                 inputs.order.append(entry.id)

@@ -16,6 +16,7 @@ import ase.io
 import numpy as np
 import pytest
 from ase import Atoms
+from ase.calculators.singlepoint import SinglePointCalculator
 from typer.testing import CliRunner
 
 from clients.screen import JOURNAL_FILE, RESULTS_FILE, SUMMARY_FILE, ScreenOptions, screen
@@ -303,3 +304,53 @@ def test_an_output_folder_that_is_a_file_is_reported(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["screen", str(path), "-o", str(path), "--no-progress"])
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and "File exists" in result.output
+
+
+def test_input_metadata_is_carried_where_extxyz_holds_it(tmp_path: Path) -> None:
+    """A structure's own info and per-atom arrays come along into results.extxyz unchanged,
+    its reference energy/forces (in info, or stored by the reader) as ``input_<name>``. What
+    ASE's extxyz writer would corrupt is left out: a key with a space or '=', an empty string,
+    a backslash, a tab or line break (which made the whole results file unreadable), None, a
+    dict. No structure fails for its metadata, so the structures after it are evaluated too (a
+    reference ``energy`` used to abort the run)."""
+    files = []
+    for k in range(3):
+        atoms = small_molecule("H2O", seed=k)
+        if k == 1:
+            atoms.info.update({
+                "energy": -1.5, "free_energy": -1.25, "title": "water", "charge": 0,
+                "tags_list": [1, 2, 3], "multi": "line one\nline two", "tabbed": "a\tb",
+                "empty": "", "path": "C:\\data", "a b": 1, "k=v": 2, "none": None, "meta": {"x": 1},
+            })  # fmt: skip
+            atoms.set_initial_charges(np.arange(len(atoms), dtype=float))
+            atoms.calc = SinglePointCalculator(atoms, forces=np.ones((len(atoms), 3)))
+        files.append(tmp_path / f"frame{k}.traj")
+        ase.io.write(files[-1], atoms)
+    out = tmp_path / "out"
+    report = screen(files, ScreenOptions(output_dir=out, progress=False), evaluator=PairPotential())
+    assert (report.total, report.succeeded, report.failed) == (3, 3, 0)
+    frames = {f.info["screen_id"]: f
+              for f in ase.io.read(out / RESULTS_FILE, index=":")}  # fmt: skip
+    carried = frames[f"{files[1]}@0"]
+    info = {k: v for k, v in carried.info.items() if k not in ("screen_id", "source", "frame")}
+    assert set(info) == {"input_energy", "input_free_energy", "title", "charge", "tags_list"}
+    assert (info["input_energy"], info["input_free_energy"]) == (-1.5, -1.25)
+    assert info["title"] == "water"
+    np.testing.assert_array_equal(info["tags_list"], [1, 2, 3])
+    np.testing.assert_array_equal(carried.arrays["input_forces"], 1.0)
+    np.testing.assert_array_equal(carried.arrays["initial_charges"], np.arange(len(carried)))
+    assert carried.get_potential_energy() != -1.5
+    assert all(isinstance(f.get_potential_energy(), float) for f in frames.values())
+
+
+def test_a_path_given_twice_is_read_once(tmp_path: Path) -> None:
+    """Overlapping globs name a file twice: its structures are evaluated and reported once
+    (their ids would collide), and summary.csv, results.extxyz and the report agree."""
+    path = tmp_path / "x.extxyz"
+    ase.io.write(path, [small_molecule("H2O", seed=k) for k in range(3)])
+    out = tmp_path / "out"
+    options = ScreenOptions(output_dir=out, progress=False)
+    report = screen([path, path], options, evaluator=PairPotential())
+    assert (report.total, report.succeeded) == (3, 3)
+    assert [r["id"] for r in summary_rows(out)] == [f"{path}@{k}" for k in range(3)]
+    assert len(ase.io.read(out / RESULTS_FILE, index=":")) == 3
