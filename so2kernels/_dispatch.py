@@ -52,5 +52,6 @@ def require_fp32(op: str, **tensors: torch.Tensor) -> None:
         if t.dtype != torch.float32:
             raise UnsupportedInputError(
                 f"so2kernels.{op}: the fused path needs float32 for '{name}', got {t.dtype}; "
-                "call the reference (e.g. so2kernels.references) for other dtypes"
+                f"call its eager reference (so2kernels.<op>_reference, e.g. "
+                f"so2kernels.rotate_mix_reference) for other dtypes"
             )

@@ -577,7 +577,7 @@ def launch_aggregate_fwd(
     scale = rotate_back_rescale(lmax, x_local.device, torch.float32)
     grid = (n_node, c_blocks, n_part)
     wrap_triton(_aggregate_fwd_kernel)[grid](
-        x_local, wigner, weights, dst_rowptr, scale, out,
+        x_local, wigner, weights, dst_rowptr.contiguous(), scale, out,  # indexed with unit stride
         x_local.stride(0), wigner.stride(0), wigner.stride(1), wigner.stride(2),
         weights.stride(0), weights.stride(1),
         L=lmax, FD=focus_dim, WD=c_wide, GW=group_width, DP=dp, BLOCK_C=block_c,

@@ -305,6 +305,12 @@ def _act_bwd_op(
     grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
 ) -> tuple[Tensor, Tensor]:
     check_gated_act_operands("gated_act_bwd", z, gw, lmax=lmax, focus_dim=focus_dim)
+    _check_gwt("gated_act_bwd", gw, gwt)
+    if grad.shape != z.shape:
+        raise ValueError(
+            f"so2kernels.gated_act_bwd: grad must have z's shape {tuple(z.shape)}; "
+            f"got {tuple(grad.shape)}"
+        )
     if use_triton(grad, z, gw, gwt):
         require_fp32("gated_act_bwd", grad=grad, z=z, gw=gw, gwt=gwt)
         return _launch_bwd(

@@ -417,6 +417,31 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
 # path that differentiates the backward again goes through stack_backward_composed instead)
 
 
+def _check_bwd_operands(args: StackBwdArgs) -> None:
+    """The forward's operands as the forward checks them, and its outputs and their cotangents
+    with the shapes the forward gives them; raises ``ValueError`` naming the tensor."""
+    # Imported here: so2kernels.mixing_stack imports this module.
+    from so2kernels.mixing_stack import check_stack_operands
+
+    op = "so2_mixing_stack_bwd"
+    check_stack_operands(op, args.u0, args.alpha, args.w0_all, args.w1_all, args.gw_all,
+                         args.lmax, args.focus_dim)  # fmt: skip
+    n_focus, n_edge, row = args.u0.shape
+    edge_major, focus_major = (n_edge, n_focus, row), (n_focus, n_edge, row)
+    stacked = (args.gw_all.shape[0], *focus_major)
+    expected = {
+        "grad_out": (args.grad_out, edge_major), "x_local": (args.x_local, edge_major),
+        "z_all": (args.z_all, stacked), "grad_z": (args.grad_z, stacked),
+        "u_final": (args.u_final, focus_major), "grad_u": (args.grad_u, focus_major),
+    }  # fmt: skip
+    for name, (tensor, shape) in expected.items():
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"so2kernels.{op}: {name} must have shape {shape} (u0 is (F, E, ROW) = "
+                f"{focus_major}, {stacked[0]} gated layers); got {tuple(tensor.shape)}"
+            )
+
+
 @torch.library.triton_op("so2kernels::so2_mixing_stack_bwd", mutates_args=())
 def _mixing_stack_bwd_op(
     grad_out: Tensor,
@@ -437,13 +462,13 @@ def _mixing_stack_bwd_op(
     precision: str,
 ) -> StackGrads:
     tier = StackPrecision.parse(precision)
+    given = StackBwdArgs(
+        grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+        lmax, focus_dim, apply_alpha, need_weights,
+    )  # fmt: skip
+    _check_bwd_operands(given)
     if not use_triton(grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all):
-        grads = mixing_stack_backward_reference(
-            StackBwdArgs(
-                grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z,
-                grad_u, lmax, focus_dim, apply_alpha, need_weights,
-            )
-        )  # fmt: skip
+        grads = mixing_stack_backward_reference(given)
         return tuple(t.contiguous() for t in grads)  # type: ignore[return-value]
     require_fp32(
         "so2_mixing_stack_bwd", grad_out=grad_out, x_local=x_local, z_all=z_all, u_final=u_final,
@@ -469,6 +494,7 @@ def _mixing_stack_bwd_op(
 def _mixing_stack_bwd_fake(*operands: Any) -> StackGrads:
     # Same positional operands as the op; the trailing precision string does not shape outputs.
     args = StackBwdArgs(*operands[: len(StackBwdArgs._fields)])
+    _check_bwd_operands(args)
 
     def weight_grad(w: Tensor) -> Tensor:
         return w.new_empty(w.shape) if args.need_weights else w.new_empty(0)

@@ -310,8 +310,9 @@ def launch_outer_sum_fwd(
         return out
     block_e, block_c, num_warps = tiles or default_tiles(a.device, n_coeff, n_chan)
     grid = (n_node, triton.cdiv(n_chan, block_c))
+    # The index tensors are read with unit stride (an edge-table column is a strided view).
     wrap_triton(_outer_sum_fwd_kernel)[grid](
-        a, b, row_map, dst_rowptr, out,
+        a, b, row_map.contiguous(), dst_rowptr.contiguous(), out,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), b.shape[1], n_chan,
         K=n_coeff, KP=_coefficient_lanes(n_coeff), BLOCK_E=block_e, BLOCK_C=block_c,
         num_warps=num_warps,
@@ -343,7 +344,7 @@ def launch_outer_sum_bwd(
     if n_part < 1:
         raise ValueError(f"so2kernels.{_OP}_bwd: n_part must be >= 1, got {n_part}")
     wrap_triton(_outer_sum_bwd_kernel)[(n_node, n_part)](
-        grad_out, a, b, row_map, dst_rowptr, grad_a, grad_b,
+        grad_out, a, b, row_map.contiguous(), dst_rowptr.contiguous(), grad_a, grad_b,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), n_rows, n_chan,
         K=n_coeff, KP=_coefficient_lanes(n_coeff), BLOCK_E=block_e, BLOCK_C=block_c,
         num_warps=num_warps,

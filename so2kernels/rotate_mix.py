@@ -488,8 +488,9 @@ def launch_rotate_mix_fwd(
     if n_edge > 0:
         feats, rot, coef, chan = kernel_operands(x, wigner, kernel, basis)
         n_programs = triton.cdiv(n_edge, tiles.block_e)
+        # src is indexed with unit stride (a column of an edge table is a strided view).
         wrap_triton(_rotate_mix_fwd_kernel)[(n_programs,)](
-            feats, src, rot, coef, chan, u,
+            feats, src.contiguous(), rot, coef, chan, u,
             n_edge, feats.stride(0), rot.stride(0),
             L=lmax, FD=focus_dim, WD=c_wide, WP=triton.next_power_of_2(c_wide), RANK=rank,
             BLOCK_E=tiles.block_e, ROT_ROW=rot.stride(1), num_warps=tiles.num_warps,

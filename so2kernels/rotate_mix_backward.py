@@ -4,7 +4,7 @@ Layout contract.
 ``so2kernels::so2_rotate_mix_bwd`` takes ``grad_u``, then the ten operands of ``so2_rotate_mix``
 in their order, then ``want_cb``, and returns ``(grad_x, grad_wigner, grad_kc, grad_cb)``:
 
-* ``grad_u`` (F, E, ROW), any strides (an expanded ``sum()`` cotangent is read in place).
+* ``grad_u`` (F, E, ROW), any strides (the launcher packs it for the kernels).
 * ``grad_x`` (N, D, C_wide): per-edge node gradients reduced over the source CSR
   ``(src_order, src_rowptr)`` in CSR order: deterministic, no atomics.
 * ``grad_wigner`` (E, Dw, Dw): the structural entries the forward reads (rows m' ∈ {-1, 0, +1}
@@ -561,7 +561,9 @@ def launch_rotate_mix_bwd(
         "L": lmax, "FD": width // n_focus, "WD": width, "WP": triton.next_power_of_2(width),
         "RANK": mix_rank, "WANT_CB": want_cb, "W_SR": rot.stride(1), "GW_SR": grad_wigner.shape[2],
     }  # fmt: skip
-    run = _BackwardLaunch(grad_u.contiguous(), feats, src, order, rowptr, rot, kern, basis,
+    # The kernels index the graph with unit stride (an edge-table column is a strided view).
+    graph = (src.contiguous(), order.contiguous(), rowptr.contiguous())
+    run = _BackwardLaunch(grad_u.contiguous(), feats, *graph, rot, kern, basis,
                           grad_wigner, grad_kc, want_cb, consts)  # fmt: skip
     grad_x, partial_cb = _SCHEDULES[tiles.variant](run, tiles)
     # Per-program partials summed in a fixed order: deterministic, no atomics.

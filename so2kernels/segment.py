@@ -96,9 +96,17 @@ def _segment_of_position(row_ptr: Tensor, n_rows: int) -> Tensor:
     return labels.repeat_interleave(lengths, output_size=n_rows)
 
 
+def _summed_rows(rows: Tensor) -> int:
+    if rows.dim() < 1:
+        raise ValueError(
+            "so2kernels.segment_sum: rows must have a leading row axis (E, *S); got a 0-d tensor"
+        )
+    return int(rows.shape[0])
+
+
 def segment_sum_reference(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
     """``out[n] = Σ_{k in row_ptr[n]..row_ptr[n+1]} rows[order[k]]``: (E, *S) -> (N, *S)."""
-    n_rows = rows.shape[0]
+    n_rows = _summed_rows(rows)
     _check_csr("segment_sum", order, row_ptr, n_rows)
     grouped = rows if order is None else rows.index_select(0, order)
     out = rows.new_zeros((row_ptr.shape[0] - 1, *rows.shape[1:]))
@@ -256,9 +264,10 @@ def _run_csr_kernel(
         return result
     chunk = _column_block(width)
     step = _position_block(n_pos, n_seg, chunk)
-    perm = row_ptr if order is None else order
+    # The kernels index the CSR with unit stride; a column of an edge table is a strided view.
+    perm = (row_ptr if order is None else order).contiguous()
     wrap_triton(kernel)[(n_seg, triton.cdiv(width, chunk))](
-        flat, perm, row_ptr, result, flat.stride(0), width,
+        flat, perm, row_ptr.contiguous(), result, flat.stride(0), width,
         IDENTITY=order is None, STEP=step, CHUNK=chunk, num_warps=4,
     )  # fmt: skip
     return result
@@ -276,7 +285,7 @@ def _require_float(op: str, t: Tensor, name: str) -> None:
 
 @triton_op("so2kernels::segment_sum", mutates_args=())
 def _segment_sum_op(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
-    _check_csr("segment_sum", order, row_ptr, rows.shape[0])
+    _check_csr("segment_sum", order, row_ptr, _summed_rows(rows))
     index = (row_ptr,) if order is None else (order, row_ptr)
     if not use_triton(rows, *index):
         return segment_sum_reference(rows, order, row_ptr)
