@@ -56,7 +56,7 @@ def train_command(
         overrides.append(f"run.output_dir={json.dumps(str(output_dir))}")
     try:
         result = train(load_config(config, overrides))
-    except (ConfigError, DataError, ModelConfigError) as exc:
+    except (ConfigError, DataError, ModelConfigError, ModelFileError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     typer.echo(
@@ -96,7 +96,7 @@ def eval_command(
     precision: Annotated[
         str, typer.Option(help="fp32 | fp64 (reference path) | fp16x3 (fused stack tier)")
     ] = "fp32",
-    batch_size: Annotated[int, typer.Option(help="Frames per evaluation batch.")] = 8,
+    batch_size: Annotated[int, typer.Option(min=1, help="Frames per evaluation batch.")] = 8,
 ) -> None:
     """Energy/force/virial RMSE and MAE per system and overall (+ parity plot, JSON)."""
     _configure_logging(False)

@@ -11,11 +11,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from service.model.config import ModelConfig, preset
+from service.model.errors import ModelConfigError
 
 __all__ = [
     "ConfigError",
@@ -61,6 +65,12 @@ class ModelSection:
     """``ModelConfig`` fields that replace the preset's."""
     init_from: str = ""
     """A model file to start from (fine-tuning); its architecture wins over preset/overrides."""
+    refit_energy_reference: bool = True
+    """Fine-tuning only: before the first step, add to the loaded model's per-element energy bias
+    the least-squares per-element fit of the training energies' residual (labels − the loaded
+    model's predictions), as DeePMD-kit's fine-tuning does, so data from another DFT setup do not
+    start with a constant per-element offset. ``false`` keeps the loaded bias. Not redone on
+    resume."""
 
 
 @dataclass
@@ -112,6 +122,7 @@ class RunConfig:
     checkpoint_every: int = 500
     output_dir: str = "runs/train"
     device: str = "auto"
+    """auto | cpu | cuda | cuda:N; checked against this machine when training starts."""
     path: str = "auto"
     """Execution path for training: auto | fused | reference."""
     check_second_order: bool = True
@@ -154,7 +165,12 @@ class TrainConfig:
             (0.0 <= self.optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]"),
             (0.0 <= self.optim.warmup_fraction < 1.0, "optim.warmup_fraction must be in [0, 1)"),
             (0.0 < self.optim.decay_fraction <= 1.0, "optim.decay_fraction must be in (0, 1]"),
-            (len(self.optim.betas) == 2, "optim.betas must be [beta1, beta2]"),
+            (
+                len(self.optim.betas) == 2 and all(0.0 <= b < 1.0 for b in self.optim.betas),
+                "optim.betas must be [beta1, beta2], each in [0, 1)",
+            ),
+            (self.optim.eps > 0.0, "optim.eps must be > 0"),
+            (self.optim.weight_decay >= 0.0, "optim.weight_decay must be ≥ 0"),
             (self.optim.clip_norm >= 0.0, "optim.clip_norm must be ≥ 0"),
             (0.0 <= self.optim.ema_decay < 1.0, "optim.ema_decay must be in [0, 1)"),
             (self.run.steps >= 1, "run.steps must be ≥ 1"),
@@ -163,6 +179,10 @@ class TrainConfig:
             (self.run.eval_every >= 1, "run.eval_every must be ≥ 1"),
             (self.run.checkpoint_every >= 1, "run.checkpoint_every must be ≥ 1"),
             (self.run.path in ("auto", "fused", "reference"), "run.path: auto|fused|reference"),
+            (
+                _DEVICE_PATTERN.fullmatch(self.run.device) is not None,
+                f"run.device must be auto, cpu, cuda or cuda:N, got {self.run.device!r}",
+            ),
         ]
         for name in ("energy_weight", "force_weight", "virial_weight"):
             weights = getattr(self.loss, name)
@@ -175,6 +195,27 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        _check_model_section(self.model)
+
+
+_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def _check_model_section(model: ModelSection) -> None:
+    """Build the preset's architecture once (placeholder elements) so a bad name, an unknown
+    override key or a bad override value fails here, before any data is loaded."""
+    if "type_map" in model.overrides:
+        raise ConfigError("model.overrides.type_map: set the element order with data.type_map")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"type_map"}
+    unknown = sorted(set(model.overrides) - fields)
+    if unknown:
+        raise ConfigError(
+            f"model.overrides: unknown model field(s) {unknown}; known: {', '.join(sorted(fields))}"
+        )
+    try:
+        preset(model.preset, ("H",), **model.overrides)
+    except ModelConfigError as exc:
+        raise ConfigError(f"model: {exc}") from exc
 
 
 def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:

@@ -178,6 +178,8 @@ def _load_npy(path: Path, n_frames: int | None, width: int | None) -> np.ndarray
         raise DataError(path, f"unreadable npy file ({exc})") from exc
     if not np.issubdtype(array.dtype, np.number):
         raise DataError(path, f"numeric data expected, got dtype {array.dtype}")
+    if array.ndim and array.shape[0] == 0:
+        raise DataError(path, "0 frames (an empty set: remove it or fill it)")
     array = array.astype(np.float64).reshape(array.shape[0], -1) if array.ndim else array
     if array.ndim != 2:
         raise DataError(path, f"expected a (frames, values) array, got shape {array.shape}")
@@ -195,18 +197,28 @@ def load_deepmd_system(path: Path | str, *, type_map: Sequence[str] | None = Non
 
     ``type_map`` is only used when the system has no ``type_map.raw``. ``energy.npy`` is optional
     per set (frames without it carry ``energy=None``), as are ``force.npy`` and ``virial.npy``.
+    DeePMD's "mixed type" format (per-frame types in ``set.*/real_atom_types.npy``, ``type.raw``
+    a placeholder) is refused with a :class:`DataError`: read as a plain system, every atom
+    would take its placeholder element.
     """
     system = Path(path)
     if not system.is_dir():
         raise DataError(system, "not a directory (expected a DeePMD system folder)")
+    sets = sorted(p for p in system.glob("set.*") if p.is_dir())
+    if not sets:
+        raise DataError(system, "no set.* folders")
+    for set_dir in sets:
+        if (set_dir / "real_atom_types.npy").exists():
+            raise DataError(
+                set_dir / "real_atom_types.npy",
+                "DeePMD mixed-type systems (per-frame types) are not supported; convert them "
+                "with dpdata first (read as 'deepmd/npy/mixed', write as 'deepmd/npy')",
+            )
     symbols = _read_type_map(system, type_map)
     types = _read_types(system, len(symbols))
     numbers = np.array([atomic_numbers[s] for s in symbols], dtype=np.int64)[types]
     n_atoms = types.shape[0]
     periodic = not (system / "nopbc").exists()
-    sets = sorted(p for p in system.glob("set.*") if p.is_dir())
-    if not sets:
-        raise DataError(system, "no set.* folders")
     frames: list[Frame] = []
     for set_dir in sets:
         frames.extend(_load_deepmd_set(set_dir, numbers, n_atoms, periodic, str(system)))
@@ -457,5 +469,7 @@ def _f64(values: object) -> torch.Tensor:
 
 def iterate_batches(dataset: FrameDataset, batch_size: int) -> Iterator[TrainingBatch]:
     """Consecutive batches in dataset order (evaluation; the last batch may be smaller)."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be ≥ 1, got {batch_size}")
     for start in range(0, len(dataset), batch_size):
         yield collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,11 +168,18 @@ def evaluate_model(
 ) -> EvalReport:
     """Load a model file and report its errors on each data system and overall.
 
-    ``model=None`` evaluates the shipped default model. Writes the JSON report and a parity
-    plot when paths are given.
+    ``model=None`` evaluates the shipped default model. A DeePMD system without ``type_map.raw``
+    is read with the model's type map (as ``dp test`` does). Writes the JSON report and a parity
+    plot when paths are given; their folders are checked (and created) before anything is
+    evaluated, so an unusable path fails at once with a ``ValueError``, as does ``batch_size`` < 1.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch size must be ≥ 1, got {batch_size}")
+    for output, what in ((json_output, "JSON report"), (parity_plot, "parity plot")):
+        if output is not None:
+            _check_output_file(output, what)
     potential = load_potential(model, device=device, path=path, precision=precision)
-    dataset = load_dataset(list(data))
+    dataset = load_dataset(list(data), type_map=potential.config.type_map)
     for source, frames in dataset.by_source().items():
         unknown = sorted(set(frames.elements) - set(potential.config.type_map))
         if unknown:
@@ -200,11 +208,28 @@ def evaluate_model(
         overall=_finite_summary(overall, len(dataset)),
     )
     if json_output is not None:
-        json_output.parent.mkdir(parents=True, exist_ok=True)
         json_output.write_text(report.to_json() + "\n")
     if parity_plot is not None:
         write_parity_plot(all_parity, parity_plot, title=report.model)
     return report
+
+
+def _check_output_file(path: Path, what: str) -> None:
+    """Create ``path``'s folder if needed; ``ValueError`` if ``path`` cannot be written there."""
+    problem = ""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        problem = f"cannot create its folder ({exc})"
+    else:
+        if path.is_dir():
+            problem = "it is a folder"
+        elif not os.access(path.parent, os.W_OK | os.X_OK) or (
+            path.exists() and not os.access(path, os.W_OK)
+        ):
+            problem = "permission denied"
+    if problem:
+        raise ValueError(f"cannot write the {what} to {path}: {problem}")
 
 
 def write_parity_plot(parity: ParityData, path: Path, *, title: str = "") -> None:

@@ -7,9 +7,13 @@ are validated and a log row is written (CSV + JSON lines); every ``checkpoint_ev
 the end) the full state is checkpointed. The exported model file holds EMA weights (best
 validation loss or final, ``run.export``) with provenance.
 
-Before the first step the per-element energy reference is fitted by least squares on the
-training energies and written into the model's energy bias (minus the untrained network's mean
-per-element output), so the network only learns the small interaction energy.
+Before the first step of a new run the per-element energy reference is fitted by least squares
+on the training energies and written into the model's energy bias (minus the untrained network's
+mean per-element output), so the network only learns the small interaction energy. When
+fine-tuning (``model.init_from``) the loaded bias is kept and corrected instead: the per-element
+least-squares fit of the residual (labels − the loaded model's predictions) on the new training
+data is added to it, as DeePMD-kit's fine-tuning does (``model.refit_energy_reference``). A
+resumed run restores its bias from the checkpoint and fits nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from service.model.potential import Potential, Prediction, resolve_device
 from service.training.config import ConfigError, DataConfig, TrainConfig
 from service.training.data import (
     DataError,
+    Frame,
     FrameDataset,
     TrainingBatch,
     collate,
@@ -66,6 +71,7 @@ __all__ = [
     "force_loss_gradients",
     "initialize_energy_bias",
     "prepare_data",
+    "refit_energy_reference",
     "resolve_data_path",
     "train",
 ]
@@ -145,23 +151,37 @@ def prepare_data(config: DataConfig) -> PreparedData:
     return PreparedData(train_set, validation, type_map, train_paths, validation_paths)
 
 
-def fit_energy_reference(frames: FrameDataset, type_map: Sequence[str]) -> np.ndarray:
-    """Per-element energies ``e`` (T,) minimising Σ_f (E_f − Σ_t n_ft e_t)², eV.
+def fit_energy_reference(
+    frames: FrameDataset, type_map: Sequence[str], targets: np.ndarray | None = None
+) -> np.ndarray:
+    """Per-element energies ``e`` (T,) minimising Σ_f (y_f − Σ_t n_ft e_t)², eV.
 
-    Uses the minimum-norm least-squares solution: when compositions do not separate the elements
-    (e.g. every frame is (H₂O)₆₄) only the composition-weighted sum is determined, and the
-    minimum-norm choice is the stable, reproducible one.
+    ``y`` (F,) is ``targets`` when given (e.g. residuals of a model), else the frames' energy
+    labels. Uses the minimum-norm least-squares solution: when compositions do not separate the
+    elements (e.g. every frame is (H₂O)₆₄) only the composition-weighted sum is determined, and
+    the minimum-norm choice is the stable, reproducible one.
     """
     index = {atomic_numbers[s]: t for t, s in enumerate(type_map)}
     counts = np.zeros((len(frames), len(type_map)))
-    energies = np.zeros(len(frames))
     for f, frame in enumerate(frames):
-        assert frame.energy is not None
         for z, n in zip(*np.unique(frame.numbers, return_counts=True), strict=True):
             counts[f, index[int(z)]] = n
-        energies[f] = frame.energy
-    solution, *_ = np.linalg.lstsq(counts, energies, rcond=None)
+    if targets is None:
+        targets = np.array([_energy_label(frame) for frame in frames], dtype=np.float64)
+    solution, *_ = np.linalg.lstsq(counts, targets, rcond=None)
     return np.asarray(solution, dtype=np.float64)
+
+
+def _energy_label(frame: Frame) -> float:
+    assert frame.energy is not None  # prepare_data requires energies on training frames
+    return frame.energy
+
+
+def _spread_sample(frames: FrameDataset, size: int) -> FrameDataset:
+    """Up to ``size`` frames evenly spaced over the dataset (every source is represented)."""
+    if len(frames) <= size:
+        return frames
+    return frames.subset(np.linspace(0, len(frames) - 1, size).round().astype(int).tolist())
 
 
 def build_model(config: TrainConfig, type_map: Sequence[str]) -> DPA4Model:
@@ -217,6 +237,42 @@ def initialize_energy_bias(
     with torch.no_grad():
         bias.sub_(totals / counts.clamp_min(1.0))
     return dict(zip(model_types, bias.tolist(), strict=True))
+
+
+def refit_energy_reference(
+    model: DPA4Model,
+    frames: FrameDataset,
+    *,
+    device: torch.device,
+    path: str,
+    sample_frames: int = 256,
+    batch_size: int = 8,
+) -> dict[str, float]:
+    """Fine-tuning: add to the loaded model's energy bias the per-element least-squares fit of
+    the residual ``E_label − E_model`` on up to ``sample_frames`` training frames (spread over
+    the data); returns the correction by symbol (eV, 0 for elements absent from the data).
+
+    A model trained on another DFT setup differs from the new labels mostly by per-element
+    constants; in the non-trainable bias they would otherwise stay as error all along.
+    """
+    sample = _spread_sample(frames, sample_frames)
+    potential = Potential(model, device=device, path=path, capture=False)
+    predicted: list[np.ndarray] = []
+    for batch in iterate_batches(sample, batch_size):
+        prediction = potential.predict(batch.structures.to(potential.device), ("energy",))
+        predicted.append(prediction.energy.detach().cpu().to(torch.float64).numpy())
+    labels = np.array([_energy_label(frame) for frame in sample], dtype=np.float64)
+    residual = labels - np.concatenate(predicted)
+    present = sample.elements
+    fitted = dict(
+        zip(present, fit_energy_reference(sample, present, residual).tolist(), strict=True)
+    )
+    correction = [fitted.get(s, 0.0) for s in model.config.type_map]
+    # Potential moved the model: take the buffer only now.
+    bias = model.get_buffer("energy_bias")
+    with torch.no_grad():
+        bias.add_(torch.tensor(correction, dtype=bias.dtype, device=bias.device))
+    return dict(zip(model.config.type_map, correction, strict=True))
 
 
 # Loss
@@ -295,6 +351,9 @@ class Trainer:
         self.ema = ExponentialMovingAverage(self.model, optim.ema_decay)
         self.sampler = EpochSampler(len(data.train), config.data.batch_size, config.run.seed)
         self.step = 0
+        # The LR and loss weights the last step ran with: what its log row reports.
+        self.step_lr = learning_rate(0.0, optim)
+        self.step_weights = loss_weights(0.0, optim, config.loss)
         self.elapsed_s = 0.0
         self.best = _Best()
         self.potential = Potential(
@@ -326,6 +385,7 @@ class Trainer:
         progress = self.progress()
         lr = learning_rate(progress, self.config.optim)
         weights = loss_weights(progress, self.config.optim, self.config.loss)
+        self.step_lr, self.step_weights = lr, weights
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = collate([self.data.train[i] for i in self.sampler.next_batch()])
@@ -368,14 +428,15 @@ class Trainer:
         return metrics
 
     def log_row(self, validation: dict[str, float]) -> dict[str, float]:
-        progress = self.progress()
-        w = loss_weights(progress, self.config.optim, self.config.loss)
+        """The row after step ``self.step``: its schedule values, running training errors since
+        the previous row, and ``validation``. Resets the running errors."""
+        w = self.step_weights
         running = self._running.flat()
         row: dict[str, float] = {
             "step": self.step,
             "epoch": self.sampler.epoch,
             "elapsed_s": round(self.elapsed_s, 3),
-            "lr": learning_rate(progress, self.config.optim),
+            "lr": self.step_lr,
             "w_energy": w[0],
             "w_forces": w[1],
             "w_virial": w[2],
@@ -419,6 +480,12 @@ class Trainer:
         _check_resumable(json.loads(state["config"]), self.config.to_dict())
         if list(state["type_map"]) != list(self.data.type_map):
             raise ConfigError(f"checkpoint type_map {state['type_map']} != {self.data.type_map}")
+        saved_frames = int(state["sampler"]["n_frames"])
+        if saved_frames != len(self.data.train):
+            raise ConfigError(
+                f"cannot resume: the checkpoint was made with {saved_frames} training frames, "
+                f"the data now has {len(self.data.train)} (the data changed since)"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.ema.load_state_dict(state["ema"])
@@ -435,8 +502,14 @@ class Trainer:
         )
 
 
+# Where and how the run executes, how long it goes on, and what it writes; not what it learns.
+# (device/path change only floating-point rounding; a copied run folder resumes from its copy.)
 _RESUME_MAY_CHANGE = {
     "run": {
+        "output_dir",
+        "device",
+        "path",
+        "check_second_order",
         "steps",
         "max_time_s",
         "session_steps",
@@ -645,8 +718,11 @@ def _export(trainer: Trainer, output_dir: Path) -> tuple[Path, int, dict[str, fl
 def train(config: TrainConfig) -> TrainResult:
     """Run (or resume) a training as configured; returns where everything was written."""
     config.validate()
+    device = _run_device(config.run.device)
     output_dir = Path(config.run.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    _ensure_writable_dir(output_dir, "run.output_dir")
+    if config.run.export_path:
+        _ensure_writable_dir(Path(config.run.export_path).parent, "run.export_path")
     checkpoint_path = output_dir / CHECKPOINT_NAME
     data = prepare_data(config.data)
     log.info(
@@ -662,11 +738,23 @@ def train(config: TrainConfig) -> TrainResult:
             model,
             data.train,
             data.type_map,
-            device=resolve_device(config.run.device),
+            device=device,
             path=config.run.path,
             batch_size=config.data.valid_batch_size,
         )
         log.info("per-element energy bias (eV): %s", {s: round(e, 6) for s, e in bias.items()})
+    elif not resume and config.model.refit_energy_reference:
+        correction = refit_energy_reference(
+            model,
+            data.train,
+            device=device,
+            path=config.run.path,
+            batch_size=config.data.valid_batch_size,
+        )
+        log.info(
+            "fine-tuning: per-element energy bias corrected by (eV): %s",
+            {s: round(e, 6) for s, e in correction.items()},
+        )
     trainer = Trainer(config, data, model)
     if resume:
         trainer.load_state_dict(load_checkpoint(checkpoint_path))
@@ -703,6 +791,23 @@ def train(config: TrainConfig) -> TrainResult:
         log_csv=run_log.csv_path,
         log_jsonl=run_log.jsonl_path,
     )
+
+
+def _run_device(name: str) -> torch.device:
+    try:
+        return resolve_device(name)
+    except ValueError as exc:
+        raise ConfigError(f"run.device: {exc}") from exc
+
+
+def _ensure_writable_dir(folder: Path, key: str) -> None:
+    """Create ``folder`` if needed and check it can be written, before any work is done."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot create folder {folder} ({exc})") from exc
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: folder {folder} is not writable")
 
 
 def _run_steps(trainer: Trainer, run_log: RunLog, checkpoint_path: Path) -> None:

@@ -10,7 +10,7 @@ import math
 
 from service.training.config import LossConfig, OptimConfig
 
-__all__ = ["LossWeights", "decay_factor", "learning_rate", "loss_weights"]
+__all__ = ["WARMUP_START", "LossWeights", "decay_factor", "learning_rate", "loss_weights"]
 
 
 def decay_factor(progress: float, optim: OptimConfig) -> float:
@@ -31,10 +31,16 @@ def decay_factor(progress: float, optim: OptimConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
+WARMUP_START = 1e-3
+"""The warm-up's first LR as a fraction of the peak (not 0: the first step must move)."""
+
+
 def learning_rate(progress: float, optim: OptimConfig) -> float:
-    """LR at ``progress``: a linear warm-up (from 0.1 % of the peak) times :func:`decay_factor`."""
+    """LR at ``progress``: a linear warm-up from ``WARMUP_START`` (0.1 %) of the peak at
+    progress 0 to the peak at ``warmup_fraction``, times :func:`decay_factor`."""
     p = min(max(progress, 0.0), 1.0)
-    ramp = min(1.0, (p + 1e-3) / (optim.warmup_fraction + 1e-3))
+    warmup = optim.warmup_fraction
+    ramp = 1.0 if p >= warmup else WARMUP_START + (1.0 - WARMUP_START) * p / warmup
     return optim.lr * ramp * decay_factor(p, optim)
 
 

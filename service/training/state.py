@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
+
+from service.training.config import ConfigError
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -130,9 +133,12 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(
-            f"{path}: checkpoint format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}"
-        )
+    """The checkpoint's state; :class:`ConfigError` if unreadable or of another format."""
+    try:
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise ConfigError(f"{path}: cannot read the checkpoint ({exc})") from exc
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else None
+        raise ConfigError(f"{path}: checkpoint format {found!r}, expected {CHECKPOINT_FORMAT}")
     return state

@@ -46,9 +46,20 @@ def test_toml_json_and_overrides(tmp_path: Path) -> None:
         (["loss.energy_weight=[1, 2, 3]"], "loss.energy_weight"),
         (["nokey"], "section.key=value"),
         (["bogus.x=1"], "bogus"),
+        (["optim.betas=[1.5, 0.999]"], "optim.betas"),
+        (["optim.betas=[0.9, -0.1]"], "optim.betas"),
+        (["optim.eps=0"], "optim.eps"),
+        (["optim.weight_decay=-1e-4"], "optim.weight_decay"),
+        (['run.device="gpu"'], "run.device"),
+        (['run.device="cuda:x"'], "run.device"),
+        (["model.overrides.no_such_field=3"], "no_such_field"),
+        (['model.overrides.type_map=["H"]'], "data.type_map"),
+        (['model.overrides.channels="many"'], "channels"),
+        (['model.preset="huge"'], "huge"),
     ],
 )
 def test_bad_configs(overrides: list[str], fragment: str) -> None:
+    """A bad value fails when the config is loaded (before any data), naming the key."""
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         load_config(None, ['data.train=["a"]', *overrides])
 
@@ -58,10 +69,27 @@ def test_missing_train_data() -> None:
         TrainConfig.from_dict({})
 
 
+def test_device_names_are_accepted_without_checking_this_machine() -> None:
+    """``cuda:N`` loads anywhere; whether the device exists is checked when training starts."""
+    for device in ("auto", "cpu", "cuda", "cuda:3"):
+        assert (
+            load_config(None, ['data.train=["a"]', f'run.device="{device}"']).run.device == device
+        )
+
+
+def test_warmup_starts_at_a_thousandth_of_the_peak() -> None:
+    """The warm-up rises linearly from 0.1 % of the peak LR at progress 0 (default config)."""
+    optim = OptimConfig()
+    assert learning_rate(0.0, optim) == pytest.approx(1e-3 * optim.lr, rel=1e-9)
+    assert learning_rate(optim.warmup_fraction / 2, optim) == pytest.approx(
+        (1e-3 + 0.999 / 2) * optim.lr, rel=1e-9
+    )
+
+
 def test_cosine_schedule() -> None:
     optim = OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_fraction=0.1, schedule="cosine")
-    assert learning_rate(0.0, optim) < 0.02
-    assert learning_rate(0.05, optim) == pytest.approx(0.51 / 1.01 * 1.0, rel=1e-6)
+    assert learning_rate(0.0, optim) == pytest.approx(1e-3)
+    assert learning_rate(0.05, optim) == pytest.approx(1e-3 + 0.999 * 0.5, rel=1e-6)
     assert learning_rate(0.1, optim) == pytest.approx(1.0)
     assert learning_rate(0.55, optim) == pytest.approx(0.55)
     assert learning_rate(1.0, optim) == pytest.approx(0.1)

@@ -22,6 +22,7 @@ from service.training.data import (
     load_deepmd_system,
 )
 from tests.conftest import shared_path
+from tests.training.synthetic import truncate_sets, write_water_system
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +223,26 @@ def test_training_requires_energy(tmp_path: Path) -> None:
     assert load_dataset([path])[0].energy is None
     with pytest.raises(DataError, match="no energy label"):
         load_dataset([path], require_energy=True)
+
+
+def test_empty_set_names_the_file(tmp_path: Path) -> None:
+    """A set with 0 frames is a DataError naming its coord.npy, not a numpy reshape error."""
+    system = write_water_system(tmp_path / "sys", 2)
+    truncate_sets(system, 0)
+    _expect(system, "0 frames", "set.000/coord.npy")
+
+
+def test_empty_label_file_names_the_file(tmp_path: Path) -> None:
+    """An empty energy.npy next to a filled coord.npy names energy.npy."""
+    system = write_water_system(tmp_path / "sys", 2)
+    np.save(system / "set.000" / "energy.npy", np.zeros(0))
+    _expect(system, "0 frames", "energy.npy")
+
+
+def test_mixed_type_system_is_refused(tmp_path: Path) -> None:
+    """DeePMD's mixed-type format (per-frame ``real_atom_types.npy``, placeholder type.raw) is
+    refused with a DataError saying so, instead of loading every atom as type 0."""
+    system = write_water_system(tmp_path / "sys", 2)
+    np.savetxt(system / "type.raw", [0, 0, 0], fmt="%d")
+    np.save(system / "set.000" / "real_atom_types.npy", np.array([[0, 1, 1], [0, 1, 1]]))
+    _expect(system, "mixed-type", "real_atom_types.npy")

@@ -21,10 +21,12 @@ from typer.testing import CliRunner
 from service.model.config import preset
 from service.model.dpa4 import DPA4Model
 from service.model.io import save_model
+from service.model.potential import load_potential
 from service.training.cli import eval_command, train_command
 from service.training.data import Frame, load_dataset, load_deepmd_system
 from service.training.evaluate import evaluate_model
 from tests.conftest import shared_path
+from tests.training.synthetic import write_water_system
 
 BIAS = {"H": -13.5, "C": -1030.0, "O": -2040.0}
 
@@ -133,3 +135,22 @@ def test_commands_register_with_typer(toy_model: Path, tmp_path: Path) -> None:
     bad = runner.invoke(app, ["eval", str(toy_model), str(tmp_path / "nothing")])
     assert bad.exit_code == 2
     assert "no such file" in bad.output
+
+
+def test_system_without_type_map_uses_the_model_type_map(tmp_path: Path) -> None:
+    """A DeePMD system without type_map.raw is read with the model's type map (as ``dp test``
+    does): same errors as the same frames with an explicit type_map.raw."""
+    with_map = write_water_system(tmp_path / "a", 2, molecules=3, periodic=True)
+    # The default model's type_map is (H, O): index 0 = H, 1 = O.
+    without = write_water_system(tmp_path / "b", 2, molecules=3, periodic=True, type_map=False)
+    np.savetxt(without / "type.raw", np.tile([1, 0, 0], 3), fmt="%d")
+    assert load_potential(None, device="cpu").config.type_map == ("H", "O")
+    expected = evaluate_model(None, [with_map], device="cpu").overall
+    assert evaluate_model(None, [without], device="cpu").overall == expected
+
+
+def test_non_positive_batch_size_is_refused(tmp_path: Path) -> None:
+    """``batch_size`` < 1 is a ValueError before the model is even loaded."""
+    system = write_water_system(tmp_path / "a", 1, molecules=3, periodic=True)
+    with pytest.raises(ValueError, match="batch size"):
+        evaluate_model(tmp_path / "no_model.safetensors", [system], batch_size=0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,11 @@ import pytest
 import torch
 
 from service.model.io import load_model
-from service.model.potential import Potential
+from service.model.potential import Potential, default_model_path, load_potential
+from service.training import loop
 from service.training.cli import train_command
 from service.training.config import TrainConfig, load_config
-from service.training.data import collate, load_dataset
+from service.training.data import collate, load_dataset, load_deepmd_system
 from service.training.evaluate import evaluate_frames
 from service.training.loop import (
     build_model,
@@ -25,8 +28,10 @@ from service.training.loop import (
     train,
     validation_loss,
 )
+from service.training.schedule import learning_rate, loss_weights
 from service.training.state import load_checkpoint
 from tests.conftest import shared_path
+from tests.training.synthetic import tiny_run_overrides, write_water_system
 
 MOLECULES = "data/combustion-nopbc/C4H3O1"  # 15 frames of 8 atoms: fast on CPU
 
@@ -193,3 +198,111 @@ def test_wall_clock_budget_ends_the_run(tmp_path: Path) -> None:
     assert result.steps == 1
     rows = list(csv.DictReader(result.log_csv.open()))
     assert [int(r["step"]) for r in rows] == [1]
+
+
+def test_logged_schedule_is_that_of_the_logged_step(tmp_path: Path) -> None:
+    """log.csv's ``lr`` and ``w_*`` at row ``step = k`` are the values step k ran with
+    (progress (k−1)/steps), not those of the next step."""
+    system = write_water_system(tmp_path / "sys", 4)
+    overrides = tiny_run_overrides(
+        system, tmp_path / "run", "run.steps=2", "run.eval_every=1", "optim.warmup_fraction=0.0"
+    )
+    config = load_config(None, overrides)
+    result = train(config)
+    rows = list(csv.DictReader(result.log_csv.open()))
+    assert [int(row["step"]) for row in rows] == [1, 2]
+    progress = [0.0, 0.5]
+    expected_lr = [learning_rate(p, config.optim) for p in progress]
+    assert [float(row["lr"]) for row in rows] == pytest.approx(expected_lr, rel=1e-6)
+    for row, p in zip(rows, progress, strict=True):
+        weights = (float(row["w_energy"]), float(row["w_forces"]), float(row["w_virial"]))
+        assert weights == pytest.approx(loss_weights(p, config.optim, config.loss), rel=1e-6)
+
+
+def test_resume_from_a_moved_run_folder(tmp_path: Path) -> None:
+    """A run folder copied elsewhere resumes there; run.output_dir, run.device and run.path may
+    differ from the checkpoint's (they do not change what is learned)."""
+    system = write_water_system(tmp_path / "sys", 4)
+    first = tiny_run_overrides(system, tmp_path / "a", "run.steps=2", "run.session_steps=1")
+    train(load_config(None, first))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    resumed = tiny_run_overrides(
+        system, tmp_path / "b", "run.steps=2", "run.resume=true", "run.path='auto'"
+    )
+    result = train(load_config(None, resumed))
+    assert result.steps == 2 and result.output_dir == tmp_path / "b"
+    assert load_checkpoint(tmp_path / "a" / "checkpoint.pt")["step"] == 1  # the original is kept
+
+
+def _shifted_labels_system(tmp_path: Path) -> Path:
+    """(H₂O)₃ frames labelled with the default model's own forces and energies shifted by
+    O −2 eV, H +0.5 eV (another DFT setup's references): −1 eV per molecule, −1/3 eV/atom."""
+    system = write_water_system(tmp_path / "sys", 6, molecules=3, periodic=True)
+    potential = load_potential(None, device="cpu")
+    prediction = potential.predict(collate(load_deepmd_system(system)).structures)
+    assert prediction.forces is not None
+    per_molecule_shift = -2.0 + 2 * 0.5
+    np.save(system / "set.000" / "energy.npy", prediction.energy.numpy() + 3 * per_molecule_shift)
+    np.save(system / "set.000" / "force.npy", prediction.forces.numpy().reshape(6, -1))
+    return system
+
+
+def _fine_tune_overrides(system: Path, output_dir: Path, *extra: str) -> list[str]:
+    return tiny_run_overrides(
+        system,
+        output_dir,
+        f"model.init_from='{default_model_path()}'",
+        "data.valid_fraction=0.34",
+        "optim.lr=1e-9",  # the weights barely move: what remains is the bias
+        *extra,
+    )
+
+
+def _bias_by_symbol(model: torch.nn.Module, type_map: Sequence[str]) -> dict[str, float]:
+    return dict(zip(type_map, model.get_buffer("energy_bias").tolist(), strict=True))
+
+
+def test_fine_tuning_refits_the_energy_reference(tmp_path: Path) -> None:
+    """Fine-tuning adds the per-element least-squares fit of (labels − loaded model) to the
+    loaded energy bias before the first step, so a per-element reference shift is not error."""
+    system = _shifted_labels_system(tmp_path)
+    result = train(load_config(None, _fine_tune_overrides(system, tmp_path / "run", "run.steps=1")))
+    assert result.validation["energy_rmse"] < 0.01  # eV/atom; 1/3 without the refit
+    loaded = load_model(default_model_path())
+    tuned = load_model(result.model_path)
+    before = _bias_by_symbol(loaded, loaded.config.type_map)
+    after = _bias_by_symbol(tuned, tuned.config.type_map)
+    # One composition: only the per-molecule sum of the correction is determined.
+    per_molecule = (after["O"] - before["O"]) + 2 * (after["H"] - before["H"])
+    assert per_molecule == pytest.approx(-1.0, abs=1e-4)
+
+
+def test_fine_tuning_can_keep_the_loaded_energy_reference(tmp_path: Path) -> None:
+    """``model.refit_energy_reference=false`` keeps the loaded bias: the shift stays as error."""
+    system = _shifted_labels_system(tmp_path)
+    overrides = _fine_tune_overrides(
+        system, tmp_path / "run", "run.steps=1", "model.refit_energy_reference=false"
+    )
+    result = train(load_config(None, overrides))
+    assert result.validation["energy_rmse"] == pytest.approx(1 / 3, abs=0.01)
+    loaded, tuned = load_model(default_model_path()), load_model(result.model_path)
+    assert torch.equal(loaded.get_buffer("energy_bias"), tuned.get_buffer("energy_bias"))
+
+
+def test_resumed_fine_tuning_does_not_refit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On resume the bias comes from the checkpoint; no refit is computed again."""
+    system = _shifted_labels_system(tmp_path)
+    run = tmp_path / "run"
+    train(
+        load_config(None, _fine_tune_overrides(system, run, "run.steps=2", "run.session_steps=1"))
+    )
+
+    def refit_called(*args: object, **kwargs: object) -> dict[str, float]:
+        raise AssertionError("refit_energy_reference was called on resume")
+
+    monkeypatch.setattr(loop, "refit_energy_reference", refit_called)
+    resumed = train(load_config(None, _fine_tune_overrides(system, run, "run.steps=2",
+                                                           "run.resume=true")))  # fmt: skip
+    assert resumed.steps == 2
