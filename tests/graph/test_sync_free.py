@@ -100,5 +100,8 @@ def test_replayed_step_makes_one_round_trip() -> None:
         assert len(syncs) == 1, syncs
         want = eager.predict(moved, props)
         for name in props:
-            got, expected = getattr(results[0], name), getattr(want, name)
-            assert float((got.cpu() - expected.cpu()).abs().max()) <= 1e-5, name
+            got, expected = getattr(results[0], name).cpu(), getattr(want, name).cpu()
+            # The replay sums in its padded bucket's order: fp32 rounding relative to the
+            # property's scale (this random model's energy is ~3.2 keV: 5e-4 eV is 3 ulps).
+            tolerance = max(1e-5, 1e-6 * float(expected.abs().max()))
+            assert float((got - expected).abs().max()) <= tolerance, name
