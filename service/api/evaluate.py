@@ -88,16 +88,27 @@ class EvaluateEndpoint:
         request_id = request_id_from(headers.get("x-request-id"))
         extra: Mapping[str, str] = {}
         answer: _Answer | None = None
+        payload: bytes | None
         try:
             if scope["method"] != "POST":
                 raise ApiError(
                     405, "method_not_allowed", "Method Not Allowed", headers={"Allow": "POST"}
                 )
             answer = await self._answer(headers, request_id, scope, receive, started)
+        except asyncio.CancelledError:
+            # The server cancelled this request: it was still queued or running when the
+            # graceful-shutdown deadline passed (a client that leaves is answered above, not
+            # cancelled). Answer what a stopping server answers, 503 not_ready, which the
+            # clients retry, instead of letting uvicorn send its plain-text 500.
+            status, media = 503, JSON_MEDIA_TYPE
+            payload = error_body(
+                "not_ready", "the server stopped before this request was evaluated", None
+            )
+            extra = {"Retry-After": "5"}
         except Exception as exc:  # every failure becomes its JSON error answer
             error = as_api_error(exc) or internal_error(EVALUATE_PATH, exc)
             status, media = error.status, JSON_MEDIA_TYPE
-            payload: bytes | None = error_body(error.code, error.message, error.detail)
+            payload = error_body(error.code, error.message, error.detail)
             extra = error.headers
         else:
             status, media = (200, answer.fmt.value) if answer else (CLIENT_CLOSED_REQUEST, "")
@@ -146,6 +157,7 @@ class EvaluateEndpoint:
             parsed, structures = parse_evaluate(body, fmt_in, check_coincident=check)
         decoded = time.perf_counter()
         if structures.n_atoms > settings.max_request_atoms:
+            state.metrics.rejected.labels("too_many_atoms").inc()
             raise ApiError(
                 413,
                 "too_many_atoms",

@@ -95,6 +95,10 @@ def to_host(tensors: Mapping[str, Tensor | None]) -> dict[str, np.ndarray | None
     return out
 
 
+def _single_structure_shapes(n_atoms: int) -> dict[str, tuple[int, ...]]:
+    return {"forces": (n_atoms, 3), "energies": (n_atoms,), "virial": (1, 3, 3), "stress": (1, 6)}
+
+
 @dataclass
 class _Partial:
     """Results of a contiguous run of structures; failures keyed by batch index."""
@@ -116,14 +120,20 @@ class _Partial:
 
     @classmethod
     def failed(cls, n_atoms: int, index: int, reason: BaseException) -> _Partial:
-        shapes = {
-            "forces": (n_atoms, 3),
-            "energies": (n_atoms,),
-            "virial": (1, 3, 3),
-            "stress": (1, 6),
+        fields: dict[str, np.ndarray | None] = {
+            k: np.full(shape, np.nan) for k, shape in _single_structure_shapes(n_atoms).items()
         }
-        fields: dict[str, np.ndarray | None] = {k: np.full(v, np.nan) for k, v in shapes.items()}
         return cls(energy=np.full(1, np.nan), fields=fields, failures={index: reason})
+
+    def filled(self, n_atoms: int) -> _Partial:
+        """This one structure's results with NaN rows for the fields it did not compute, so
+        that it joins a batch that computed them (nobody reads those rows: its request did
+        not ask for them)."""
+        shapes = _single_structure_shapes(n_atoms)
+        fields: dict[str, np.ndarray | None] = {
+            k: np.full(shapes[k], np.nan) if v is None else v for k, v in self.fields.items()
+        }
+        return _Partial(energy=self.energy, fields=fields, failures=self.failures)
 
     @classmethod
     def join(cls, left: _Partial, right: _Partial) -> _Partial:
@@ -200,14 +210,32 @@ class Worker:
         self._metrics = metrics
         self.device = torch.device(evaluator.execution.device)
 
-    def run(self, parts: Sequence[Structures], properties: frozenset[str]) -> BatchOutput:
-        """Evaluate the concatenation of ``parts`` (structures in order) for ``properties``."""
+    def run(
+        self,
+        parts: Sequence[Structures],
+        properties: frozenset[str],
+        part_properties: Sequence[frozenset[str]] | None = None,
+    ) -> BatchOutput:
+        """Evaluate the concatenation of ``parts`` (structures in order) for ``properties``.
+
+        ``part_properties``: what each part's own request asked for (a subset of
+        ``properties``). A structure that fails in a pass computing more than that (e.g. out of
+        memory in the backward pass of forces a batch mate asked for) is tried once more for
+        its own properties alone: its outcome does not depend on its batch mates.
+        """
         start = time.perf_counter()
         batch = parts[0] if len(parts) == 1 else Structures.concat(parts)
+        asked = None
+        if part_properties is not None:
+            asked = [
+                own | {"energy"}
+                for part, own in zip(parts, part_properties, strict=True)
+                for _ in range(part.n_structures)
+            ]
         # Host structures as validated: the evaluator places them itself (a Potential keeps a
         # small replayed batch on the host for its neighbour list; copying it to the device
         # here would cost ten synchronous copies there and back).
-        partial = self._evaluate(batch, properties, first_index=0)
+        partial = self._evaluate(batch, properties, 0, asked)
         if self.device.type == "cuda":
             self._metrics.gpu_memory_peak.set(torch.cuda.max_memory_allocated(self.device))
         f = partial.fields
@@ -236,12 +264,20 @@ class Worker:
         if output.failures:
             raise next(iter(output.failures.values()))
 
-    def _evaluate(self, s: Structures, properties: frozenset[str], first_index: int) -> _Partial:
+    def _evaluate(
+        self,
+        s: Structures,
+        properties: frozenset[str],
+        first_index: int,
+        asked: Sequence[frozenset[str]] | None,
+    ) -> _Partial:
+        """``s`` (structures ``first_index..`` of the batch) for ``properties``; ``asked``: the
+        properties each structure of the batch was asked for (None: ``properties``)."""
         try:
             return _Partial.from_prediction(self._evaluator.predict(s, properties))
         except InvalidStructureError as exc:
             if s.n_structures > 1 and exc.index is not None and 0 <= exc.index < s.n_structures:
-                return self._without(s, properties, first_index, exc)
+                return self._without(s, properties, first_index, exc, asked)
             oom = False
             reason: Exception | None = exc.with_traceback(None)  # a client's input: no log
         except Exception as exc:  # any failure is isolated per structure below
@@ -260,6 +296,9 @@ class Worker:
             reason = None if oom else exc.with_traceback(None)
         if oom:
             self._release_cached_memory()
+        own = properties if asked is None else asked[first_index]
+        if s.n_structures == 1 and own < properties:
+            return self._evaluate(s, own, first_index, None).filled(s.n_atoms)
         if s.n_structures == 1:
             if reason is None:
                 self._metrics.oom_failures.inc()
@@ -270,9 +309,9 @@ class Worker:
         if oom:
             self._metrics.oom_splits.inc()
         half = s.n_structures // 2
-        left = self._evaluate(select_structures(s, 0, half), properties, first_index)
+        left = self._evaluate(select_structures(s, 0, half), properties, first_index, asked)
         right = self._evaluate(
-            select_structures(s, half, s.n_structures), properties, first_index + half
+            select_structures(s, half, s.n_structures), properties, first_index + half, asked
         )
         return _Partial.join(left, right)
 
@@ -282,6 +321,7 @@ class Worker:
         properties: frozenset[str],
         first_index: int,
         exc: InvalidStructureError,
+        asked: Sequence[frozenset[str]] | None,
     ) -> _Partial:
         """The batch again without the structure the model refused (an input error the model
         finds itself, e.g. coincident atoms from its neighbour list): that structure fails,
@@ -291,10 +331,11 @@ class Worker:
         n_atoms = int(s.ptr[bad + 1] - s.ptr[bad])
         parts = [_Partial.failed(n_atoms, first_index + bad, exc.with_traceback(None))]
         if bad > 0:
-            parts.insert(0, self._evaluate(select_structures(s, 0, bad), properties, first_index))
+            head = select_structures(s, 0, bad)
+            parts.insert(0, self._evaluate(head, properties, first_index, asked))
         if bad + 1 < s.n_structures:
             rest = select_structures(s, bad + 1, s.n_structures)
-            parts.append(self._evaluate(rest, properties, first_index + bad + 1))
+            parts.append(self._evaluate(rest, properties, first_index + bad + 1, asked))
         joined = parts[0]
         for part in parts[1:]:
             joined = _Partial.join(joined, part)
