@@ -46,6 +46,7 @@ import httpx
 import numpy as np
 from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
+from ase.io.extxyz import per_atom_properties, per_config_properties
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -413,9 +414,11 @@ def _write_frame(atoms: Atoms, ids: dict[str, Any], result: dict[str, Any]) -> b
     return buffer.getvalue().encode("utf-8")
 
 
-_FRAME_INFO_KEYS = frozenset(("energy", "free_energy", "stress", "Lattice", "Properties", "pbc"))
-"""info keys the frame writes itself (our results, extxyz's own fields)."""
-_FRAME_ARRAY_KEYS = frozenset(("numbers", "positions", "forces", "species", "pos"))
+_CALCULATOR_ARRAYS = frozenset(per_atom_properties)
+"""Per-atom results ASE's extxyz reader hands to a calculator (forces, energies, charges, ...)."""
+_FRAME_INFO_KEYS = frozenset((*per_config_properties, "Lattice", "Properties", "pbc"))
+"""info keys that would read back as our results or as extxyz's own fields: kept as input_*."""
+_FRAME_ARRAY_KEYS = _CALCULATOR_ARRAYS | {"numbers", "positions", "species", "pos"}
 _PORTABLE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 _UNPORTABLE_TEXT = re.compile(r"[\\\x00-\x1f\x7f]")
 
@@ -432,7 +435,7 @@ def _portable_metadata(atoms: Atoms) -> tuple[dict[str, Any], dict[str, np.ndarr
     """
     info: dict[str, Any] = {}
     stored = atoms.calc.results if atoms.calc is not None else {}  # a reader's reference values
-    per_atom = {k: v for k, v in stored.items() if np.ndim(v) == 2 and len(v) == len(atoms)}
+    per_atom = {k: v for k, v in stored.items() if k in _CALCULATOR_ARRAYS}
     per_structure = {k: v for k, v in stored.items() if k not in per_atom}
     for key, value in {**per_structure, **atoms.info}.items():
         name = f"input_{key}" if key in _FRAME_INFO_KEYS else key

@@ -99,7 +99,9 @@ class EvaluateEndpoint:
             # The server cancelled this request: it was still queued or running when the
             # graceful-shutdown deadline passed (a client that leaves is answered above, not
             # cancelled). Answer what a stopping server answers, 503 not_ready, which the
-            # clients retry, instead of letting uvicorn send its plain-text 500.
+            # clients retry, instead of letting uvicorn send its plain-text 500. Not re-raised:
+            # the handler ends here either way, and uvicorn would log a re-raised cancellation
+            # as an application error with its traceback, once per request cut off.
             status, media = 503, JSON_MEDIA_TYPE
             payload = error_body(
                 "not_ready", "the server stopped before this request was evaluated", None

@@ -95,6 +95,21 @@ def to_host(tensors: Mapping[str, Tensor | None]) -> dict[str, np.ndarray | None
     return out
 
 
+class _AskedProperties:
+    """What the request of each structure of a batch asked for, looked up on a failure only
+    (no per-structure work on the passes that succeed)."""
+
+    def __init__(self, parts: Sequence[Structures], part_properties: Sequence[frozenset[str]]):
+        if len(parts) != len(part_properties):
+            raise ValueError(f"{len(parts)} parts but {len(part_properties)} property sets")
+        self._ends = np.cumsum([part.n_structures for part in parts])
+        self._asked = [own | {"energy"} for own in part_properties]
+
+    def of(self, index: int) -> frozenset[str]:
+        """Properties of batch structure ``index`` (energy always included)."""
+        return self._asked[int(np.searchsorted(self._ends, index, side="right"))]
+
+
 def _single_structure_shapes(n_atoms: int) -> dict[str, tuple[int, ...]]:
     return {"forces": (n_atoms, 3), "energies": (n_atoms,), "virial": (1, 3, 3), "stress": (1, 6)}
 
@@ -225,13 +240,7 @@ class Worker:
         """
         start = time.perf_counter()
         batch = parts[0] if len(parts) == 1 else Structures.concat(parts)
-        asked = None
-        if part_properties is not None:
-            asked = [
-                own | {"energy"}
-                for part, own in zip(parts, part_properties, strict=True)
-                for _ in range(part.n_structures)
-            ]
+        asked = None if part_properties is None else _AskedProperties(parts, part_properties)
         # Host structures as validated: the evaluator places them itself (a Potential keeps a
         # small replayed batch on the host for its neighbour list; copying it to the device
         # here would cost ten synchronous copies there and back).
@@ -269,15 +278,17 @@ class Worker:
         s: Structures,
         properties: frozenset[str],
         first_index: int,
-        asked: Sequence[frozenset[str]] | None,
+        asked: _AskedProperties | None,
     ) -> _Partial:
         """``s`` (structures ``first_index..`` of the batch) for ``properties``; ``asked``: the
         properties each structure of the batch was asked for (None: ``properties``)."""
+        refused = False  # by the model, for the input itself: no other properties would help
         try:
             return _Partial.from_prediction(self._evaluator.predict(s, properties))
         except InvalidStructureError as exc:
             if s.n_structures > 1 and exc.index is not None and 0 <= exc.index < s.n_structures:
                 return self._without(s, properties, first_index, exc, asked)
+            refused = True
             oom = False
             reason: Exception | None = exc.with_traceback(None)  # a client's input: no log
         except Exception as exc:  # any failure is isolated per structure below
@@ -296,7 +307,7 @@ class Worker:
             reason = None if oom else exc.with_traceback(None)
         if oom:
             self._release_cached_memory()
-        own = properties if asked is None else asked[first_index]
+        own = properties if asked is None or refused else asked.of(first_index)
         if s.n_structures == 1 and own < properties:
             return self._evaluate(s, own, first_index, None).filled(s.n_atoms)
         if s.n_structures == 1:
@@ -321,7 +332,7 @@ class Worker:
         properties: frozenset[str],
         first_index: int,
         exc: InvalidStructureError,
-        asked: Sequence[frozenset[str]] | None,
+        asked: _AskedProperties | None,
     ) -> _Partial:
         """The batch again without the structure the model refused (an input error the model
         finds itself, e.g. coincident atoms from its neighbour list): that structure fails,

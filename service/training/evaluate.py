@@ -26,6 +26,7 @@ from service.training.data import (
     load_dataset,
 )
 from service.training.metrics import PropertyErrors, batch_errors
+from service.training.state import folder_problem
 
 __all__ = [
     "EvalReport",
@@ -216,19 +217,12 @@ def evaluate_model(
 
 def _check_output_file(path: Path, what: str) -> None:
     """Create ``path``'s folder if needed; ``ValueError`` if ``path`` cannot be written there."""
-    problem = ""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        problem = f"cannot create its folder ({exc})"
-    else:
-        if path.is_dir():
-            problem = "it is a folder"
-        elif not os.access(path.parent, os.W_OK | os.X_OK) or (
-            path.exists() and not os.access(path, os.W_OK)
-        ):
-            problem = "permission denied"
-    if problem:
+    problem = folder_problem(path.parent)
+    if problem is None and path.is_dir():
+        problem = "it is a folder"
+    elif problem is None and path.exists() and not os.access(path, os.W_OK):
+        problem = "permission denied"
+    if problem is not None:
         raise ValueError(f"cannot write the {what} to {path}: {problem}")
 
 

@@ -55,6 +55,7 @@ from service.training.schedule import LossWeights, learning_rate, loss_weights
 from service.training.state import (
     EpochSampler,
     ExponentialMovingAverage,
+    folder_problem,
     load_checkpoint,
     restore_rng_state,
     rng_state,
@@ -178,10 +179,15 @@ def _energy_label(frame: Frame) -> float:
 
 
 def _spread_sample(frames: FrameDataset, size: int) -> FrameDataset:
-    """Up to ``size`` frames evenly spaced over the dataset (every source is represented)."""
+    """About ``size`` frames evenly spaced over the dataset, plus the first frame of every source
+    the spacing steps over: every source, and so every element, is in the sample."""
     if len(frames) <= size:
         return frames
-    return frames.subset(np.linspace(0, len(frames) - 1, size).round().astype(int).tolist())
+    spread = set(np.linspace(0, len(frames) - 1, size).round().astype(int).tolist())
+    first_of_source: dict[str, int] = {}
+    for k, frame in enumerate(frames):
+        first_of_source.setdefault(frame.source, k)
+    return frames.subset(sorted(spread | set(first_of_source.values())))
 
 
 def build_model(config: TrainConfig, type_map: Sequence[str]) -> DPA4Model:
@@ -249,8 +255,9 @@ def refit_energy_reference(
     batch_size: int = 8,
 ) -> dict[str, float]:
     """Fine-tuning: add to the loaded model's energy bias the per-element least-squares fit of
-    the residual ``E_label − E_model`` on up to ``sample_frames`` training frames (spread over
-    the data); returns the correction by symbol (eV, 0 for elements absent from the data).
+    the residual ``E_label − E_model`` on about ``sample_frames`` training frames (spread over
+    the data, every source in it); returns the correction by symbol (eV, 0 for elements absent
+    from the data).
 
     A model trained on another DFT setup differs from the new labels mostly by per-element
     constants; in the non-trainable bias they would otherwise stay as error all along.
@@ -480,12 +487,6 @@ class Trainer:
         _check_resumable(json.loads(state["config"]), self.config.to_dict())
         if list(state["type_map"]) != list(self.data.type_map):
             raise ConfigError(f"checkpoint type_map {state['type_map']} != {self.data.type_map}")
-        saved_frames = int(state["sampler"]["n_frames"])
-        if saved_frames != len(self.data.train):
-            raise ConfigError(
-                f"cannot resume: the checkpoint was made with {saved_frames} training frames, "
-                f"the data now has {len(self.data.train)} (the data changed since)"
-            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.ema.load_state_dict(state["ema"])
@@ -801,13 +802,9 @@ def _run_device(name: str) -> torch.device:
 
 
 def _ensure_writable_dir(folder: Path, key: str) -> None:
-    """Create ``folder`` if needed and check it can be written, before any work is done."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot create folder {folder} ({exc})") from exc
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: folder {folder} is not writable")
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise ConfigError(f"{key}: {problem}")
 
 
 def _run_steps(trainer: Trainer, run_log: RunLog, checkpoint_path: Path) -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "EpochSampler",
     "ExponentialMovingAverage",
+    "folder_problem",
     "load_checkpoint",
     "restore_rng_state",
     "rng_state",
@@ -32,6 +33,18 @@ __all__ = [
 CHECKPOINT_FORMAT = 1
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why files cannot be written into ``folder`` (created if missing), or None: checked
+    before a long run rather than found at its end."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create folder {folder} ({exc})"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"folder {folder} is not writable"
+    return None
 
 
 class EpochSampler:
@@ -72,9 +85,9 @@ class EpochSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["n_frames"]) != self.n_frames:
-            raise ValueError(
-                f"checkpoint was made with {state['n_frames']} training frames, "
-                f"the data now has {self.n_frames}"
+            raise ConfigError(
+                f"cannot resume: the checkpoint was made with {state['n_frames']} training "
+                f"frames, the data now has {self.n_frames} (the data changed since)"
             )
         self.generator.set_state(state["generator"])
         self.epoch = int(state["epoch"])

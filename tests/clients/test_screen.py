@@ -323,7 +323,9 @@ def test_input_metadata_is_carried_where_extxyz_holds_it(tmp_path: Path) -> None
                 "empty": "", "path": "C:\\data", "a b": 1, "k=v": 2, "none": None, "meta": {"x": 1},
             })  # fmt: skip
             atoms.set_initial_charges(np.arange(len(atoms), dtype=float))
-            atoms.calc = SinglePointCalculator(atoms, forces=np.ones((len(atoms), 3)))
+            atoms.calc = SinglePointCalculator(
+                atoms, forces=np.ones((len(atoms), 3)), energies=np.full(len(atoms), 0.5)
+            )
         files.append(tmp_path / f"frame{k}.traj")
         ase.io.write(files[-1], atoms)
     out = tmp_path / "out"
@@ -338,6 +340,7 @@ def test_input_metadata_is_carried_where_extxyz_holds_it(tmp_path: Path) -> None
     assert info["title"] == "water"
     np.testing.assert_array_equal(info["tags_list"], [1, 2, 3])
     np.testing.assert_array_equal(carried.arrays["input_forces"], 1.0)
+    np.testing.assert_array_equal(carried.arrays["input_energies"], 0.5)
     np.testing.assert_array_equal(carried.arrays["initial_charges"], np.arange(len(carried)))
     assert carried.get_potential_energy() != -1.5
     assert all(isinstance(f.get_potential_energy(), float) for f in frames.values())

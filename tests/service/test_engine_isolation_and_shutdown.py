@@ -156,7 +156,7 @@ def test_requests_cut_off_by_shutdown_get_503_not_ready_json() -> None:
 def test_many_structures_are_estimated_like_one_at_a_time() -> None:
     """Admission estimates a request of more than a few dozen structures in numpy (a Python
     loop over 20,000 held the event loop for 0.2 s): the same numbers as one at a time, for
-    crystals, molecules with and without a cell, and slabs."""
+    crystals, molecules and slabs."""
     items = []
     for k in range(40):
         atoms = [rattled_copper(1, seed=k), small_molecule("CH3OH", seed=k), small_molecule("H2O")][

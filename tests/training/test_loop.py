@@ -306,3 +306,24 @@ def test_resumed_fine_tuning_does_not_refit(
     resumed = train(load_config(None, _fine_tune_overrides(system, run, "run.steps=2",
                                                            "run.resume=true")))  # fmt: skip
     assert resumed.steps == 2
+
+
+def test_refit_sample_holds_every_source() -> None:
+    """The fine-tuning refit samples ~256 frames evenly over the data, plus the first frame of
+    each source the spacing steps over: a small source (and an element only it has) is never
+    left out of the fit."""
+    from service.training.data import Frame, FrameDataset
+
+    def frame(source: str, numbers: list[int]) -> Frame:
+        n = len(numbers)
+        positions = np.arange(3 * n, dtype=np.float64).reshape(n, 3)
+        return Frame(np.array(numbers), positions, None, np.zeros(3, bool), 0.0, None, None, source)
+
+    frames = FrameDataset(
+        [frame("big", [8, 1, 1]) for _ in range(1000)]
+        + [frame("small", [6, 1, 1, 1, 1]) for _ in range(2)]
+        + [frame("big2", [8, 1, 1]) for _ in range(1000)]
+    )
+    sample = loop._spread_sample(frames, 10)
+    assert {f.source for f in sample} == {"big", "small", "big2"}
+    assert len(sample) <= 10 + 3 and "C" in sample.elements
