@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs so2serve into it. `--dev` adds the test tools.
 # torch is installed first, pinned, so that pip takes the local CPU wheel where one exists
-# instead of resolving a multi-GB CUDA build; a machine that already has torch 2.11-2.13 keeps it.
+# instead of resolving a multi-GB CUDA build; an existing .venv with torch 2.11-2.13 keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
