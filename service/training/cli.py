@@ -97,6 +97,14 @@ def eval_command(
         str, typer.Option(help="fp32 | fp64 (reference path) | fp16x3 (fused stack tier)")
     ] = "fp32",
     batch_size: Annotated[int, typer.Option(min=1, help="Frames per evaluation batch.")] = 8,
+    type_map: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--type-map",
+            help="Element symbols in type-index order for DeePMD systems without type_map.raw: "
+            "--type-map O,H (or --type-map O --type-map H). Default: the model's type map.",
+        ),
+    ] = None,
 ) -> None:
     """Energy/force/virial RMSE and MAE per system and overall (+ parity plot, JSON)."""
     _configure_logging(False)
@@ -110,8 +118,14 @@ def eval_command(
             batch_size=batch_size,
             parity_plot=plot,
             json_output=json_output,
+            type_map=None if type_map is None else _split_symbols(type_map),
         )
     except (DataError, ModelFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     typer.echo(report.to_json())
+
+
+def _split_symbols(values: list[str]) -> list[str]:
+    """``["O,H", "C"]`` → ``["O", "H", "C"]``: the option may be repeated or comma-separated."""
+    return [symbol.strip() for value in values for symbol in value.split(",") if symbol.strip()]

@@ -3,7 +3,8 @@
 A *frame* is one labelled structure (numbers, positions, cell, pbc, energy, forces, virial).
 Frames from any number of sources are pooled into a :class:`FrameDataset`; elements are matched
 by symbol (each DeePMD system's ``type_map.raw`` is translated to atomic numbers), so systems with
-different type orders mix freely.
+different type orders mix freely. Every frame carries its own ``numbers``: in DeePMD's "mixed
+type" systems the composition changes from frame to frame.
 
 Units are ASE's: Å, eV, eV/Å. The virial is DeePMD's (eV, ``W = -V·σ`` with σ the stress in
 eV/Å³), i.e. the quantity ``Prediction.virial`` of the model holds. ASE stresses are converted
@@ -136,6 +137,10 @@ class FrameDataset(Sequence[Frame]):
 # DeePMD npy systems
 
 
+REAL_ATOM_TYPES = "real_atom_types.npy"  # per-frame types of a mixed-type set
+VIRTUAL_ATOM = -1  # the type dpdata gives padding atoms in mixed-type systems
+
+
 def is_deepmd_system(path: Path) -> bool:
     """A DeePMD system is a folder holding ``type.raw`` and at least one ``set.*`` folder."""
     return path.is_dir() and (path / "type.raw").is_file() and any(path.glob("set.*"))
@@ -197,9 +202,12 @@ def load_deepmd_system(path: Path | str, *, type_map: Sequence[str] | None = Non
 
     ``type_map`` is only used when the system has no ``type_map.raw``. ``energy.npy`` is optional
     per set (frames without it carry ``energy=None``), as are ``force.npy`` and ``virial.npy``.
-    DeePMD's "mixed type" format (per-frame types in ``set.*/real_atom_types.npy``, ``type.raw``
-    a placeholder) is refused with a :class:`DataError`: read as a plain system, every atom
-    would take its placeholder element.
+
+    DeePMD's "mixed type" systems (dpdata's ``deepmd/npy/mixed``) are read too: every set holds
+    ``real_atom_types.npy`` (frames, atoms), each frame's type indices into the type map, and
+    ``type.raw`` only fixes the atom count. Type ``-1`` marks a virtual atom (dpdata pads systems
+    to a common atom count with them, at zero coordinates and forces); it is dropped from its
+    frame with its coordinate and force rows, as dpdata and DeePMD-kit leave them out.
     """
     system = Path(path)
     if not system.is_dir():
@@ -207,32 +215,81 @@ def load_deepmd_system(path: Path | str, *, type_map: Sequence[str] | None = Non
     sets = sorted(p for p in system.glob("set.*") if p.is_dir())
     if not sets:
         raise DataError(system, "no set.* folders")
-    for set_dir in sets:
-        if (set_dir / "real_atom_types.npy").exists():
-            raise DataError(
-                set_dir / "real_atom_types.npy",
-                "DeePMD mixed-type systems (per-frame types) are not supported; convert them "
-                "with dpdata first (read as 'deepmd/npy/mixed', write as 'deepmd/npy')",
-            )
+    mixed = _is_mixed_type(sets)
     symbols = _read_type_map(system, type_map)
     types = _read_types(system, len(symbols))
-    numbers = np.array([atomic_numbers[s] for s in symbols], dtype=np.int64)[types]
-    n_atoms = types.shape[0]
+    elements = np.array([atomic_numbers[s] for s in symbols], dtype=np.int64)
     periodic = not (system / "nopbc").exists()
     frames: list[Frame] = []
     for set_dir in sets:
-        frames.extend(_load_deepmd_set(set_dir, numbers, n_atoms, periodic, str(system)))
+        frames.extend(_load_deepmd_set(set_dir, elements, types, mixed, periodic, str(system)))
     return frames
 
 
+def _is_mixed_type(sets: Sequence[Path]) -> bool:
+    """Whether the sets are mixed-type; all of them or none must be (as DeePMD-kit demands)."""
+    has_types = [(s / REAL_ATOM_TYPES).is_file() for s in sets]
+    if any(has_types) and not all(has_types):
+        with_types = sets[has_types.index(True)].name
+        without = sets[has_types.index(False)]
+        raise DataError(
+            without / REAL_ATOM_TYPES,
+            f"missing, but {with_types} has one: in a mixed-type system every set needs it",
+        )
+    return all(has_types)
+
+
+def _read_real_atom_types(path: Path, n_frames: int, n_atoms: int, n_types: int) -> np.ndarray:
+    """A set's per-frame type indices, (frames, atoms) int64, checked against coord.npy and
+    the type map; ``-1`` (a virtual atom) is kept for the caller to drop."""
+    try:
+        types: np.ndarray = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(path, f"unreadable npy file ({exc})") from exc
+    if not np.issubdtype(types.dtype, np.integer):
+        raise DataError(path, f"integer type indices expected, got dtype {types.dtype}")
+    if types.shape != (n_frames, n_atoms):
+        raise DataError(
+            path,
+            f"shape {types.shape}, expected (frames, atoms) = ({n_frames}, {n_atoms}) "
+            "as coord.npy and type.raw give",
+        )
+    types = types.astype(np.int64)
+    bad = np.unique(types[(types < VIRTUAL_ATOM) | (types >= n_types)])
+    if bad.size:
+        raise DataError(
+            path,
+            f"type index out of range [0, {n_types}) of the type map (or -1 for a virtual "
+            f"atom): {bad.tolist()}",
+        )
+    empty = np.flatnonzero((types == VIRTUAL_ATOM).all(axis=1))
+    if empty.size:
+        raise DataError(path, f"frame {int(empty[0])}: every atom is virtual (type -1)")
+    return types
+
+
 def _load_deepmd_set(
-    set_dir: Path, numbers: np.ndarray, n_atoms: int, periodic: bool, source: str
+    set_dir: Path,
+    elements: np.ndarray,
+    types: np.ndarray,
+    mixed: bool,
+    periodic: bool,
+    source: str,
 ) -> list[Frame]:
+    """Frames of one set; ``elements`` (T,) are the type map's atomic numbers, ``types`` (n,)
+    those of type.raw (per frame from real_atom_types.npy instead when ``mixed``)."""
+    n_atoms = types.shape[0]
     coord_path = set_dir / "coord.npy"
     if not coord_path.is_file():
         raise DataError(coord_path, "missing")
     coords = _load_npy(coord_path, None, 3 * n_atoms)
     n_frames = coords.shape[0]
+    if mixed:
+        frame_types = _read_real_atom_types(
+            set_dir / REAL_ATOM_TYPES, n_frames, n_atoms, elements.shape[0]
+        )
+    else:
+        frame_types = np.broadcast_to(types, (n_frames, n_atoms))
     boxes = _optional_npy(set_dir / "box.npy", n_frames, 9)
     if periodic and boxes is None:
         raise DataError(set_dir / "box.npy", "missing (the system has no 'nopbc' marker)")
@@ -246,14 +303,15 @@ def _load_deepmd_set(
         cell = boxes[k].reshape(3, 3) if periodic and boxes is not None else None
         if cell is not None and abs(np.linalg.det(cell)) < 1e-6:
             raise DataError(set_dir / "box.npy", f"frame {k}: singular cell {cell.tolist()}")
+        real = frame_types[k] != VIRTUAL_ATOM
         frames.append(
             Frame(
-                numbers=numbers,
-                positions=coords[k].reshape(n_atoms, 3),
+                numbers=elements[frame_types[k][real]],
+                positions=coords[k].reshape(n_atoms, 3)[real],
                 cell=cell,
                 pbc=np.full(3, periodic),
                 energy=None if energies is None else float(energies[k, 0]),
-                forces=None if forces is None else forces[k].reshape(n_atoms, 3),
+                forces=None if forces is None else forces[k].reshape(n_atoms, 3)[real],
                 virial=None if virials is None else virials[k].reshape(3, 3),
                 source=source,
             )

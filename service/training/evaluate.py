@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ase.data import atomic_numbers
 
 from service.model.potential import Potential, Prediction, load_potential
 from service.training.data import (
@@ -166,21 +167,26 @@ def evaluate_model(
     batch_size: int = 8,
     parity_plot: Path | None = None,
     json_output: Path | None = None,
+    type_map: Sequence[str] | None = None,
 ) -> EvalReport:
     """Load a model file and report its errors on each data system and overall.
 
     ``model=None`` evaluates the shipped default model. A DeePMD system without ``type_map.raw``
-    is read with the model's type map (as ``dp test`` does). Writes the JSON report and a parity
-    plot when paths are given; their folders are checked (and created) before anything is
-    evaluated, so an unusable path fails at once with a ``ValueError``, as does ``batch_size`` < 1.
+    is read with ``type_map`` (element symbols in type-index order), or when that is not given
+    with the model's type map (as ``dp test`` does). Writes the JSON report and a parity plot when
+    paths are given; their folders are checked (and created) before anything is evaluated, so an
+    unusable path fails at once with a ``ValueError``, as do ``batch_size`` < 1 and a
+    ``type_map`` with unknown or repeated symbols.
     """
     if batch_size < 1:
         raise ValueError(f"batch size must be ≥ 1, got {batch_size}")
+    if type_map is not None:
+        _check_type_map(type_map)
     for output, what in ((json_output, "JSON report"), (parity_plot, "parity plot")):
         if output is not None:
             _check_output_file(output, what)
     potential = load_potential(model, device=device, path=path, precision=precision)
-    dataset = load_dataset(list(data), type_map=potential.config.type_map)
+    dataset = load_dataset(list(data), type_map=type_map or potential.config.type_map)
     for source, frames in dataset.by_source().items():
         unknown = sorted(set(frames.elements) - set(potential.config.type_map))
         if unknown:
@@ -213,6 +219,18 @@ def evaluate_model(
     if parity_plot is not None:
         write_parity_plot(all_parity, parity_plot, title=report.model)
     return report
+
+
+def _check_type_map(type_map: Sequence[str]) -> None:
+    """``ValueError`` unless ``type_map`` is a non-empty list of distinct element symbols."""
+    if not type_map:
+        raise ValueError("type_map is empty: give the element symbols in type-index order")
+    unknown = [s for s in type_map if s not in atomic_numbers]
+    if unknown:
+        raise ValueError(f"type_map {list(type_map)}: unknown element symbol(s) {unknown}")
+    repeated = sorted({s for s in type_map if list(type_map).count(s) > 1})
+    if repeated:
+        raise ValueError(f"type_map {list(type_map)}: element(s) {repeated} listed twice")
 
 
 def _check_output_file(path: Path, what: str) -> None:

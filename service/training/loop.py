@@ -180,14 +180,17 @@ def _energy_label(frame: Frame) -> float:
 
 def _spread_sample(frames: FrameDataset, size: int) -> FrameDataset:
     """About ``size`` frames evenly spaced over the dataset, plus the first frame of every source
-    the spacing steps over: every source, and so every element, is in the sample."""
+    and of every element the spacing steps over (a mixed-type source's composition changes
+    from frame to frame): every source and every element is in the sample."""
     if len(frames) <= size:
         return frames
     spread = set(np.linspace(0, len(frames) - 1, size).round().astype(int).tolist())
-    first_of_source: dict[str, int] = {}
+    first: dict[str | int, int] = {}
     for k, frame in enumerate(frames):
-        first_of_source.setdefault(frame.source, k)
-    return frames.subset(sorted(spread | set(first_of_source.values())))
+        first.setdefault(frame.source, k)
+        for number in np.unique(frame.numbers).tolist():
+            first.setdefault(number, k)
+    return frames.subset(sorted(spread | set(first.values())))
 
 
 def build_model(config: TrainConfig, type_map: Sequence[str]) -> DPA4Model:

@@ -237,12 +237,3 @@ def test_empty_label_file_names_the_file(tmp_path: Path) -> None:
     system = write_water_system(tmp_path / "sys", 2)
     np.save(system / "set.000" / "energy.npy", np.zeros(0))
     _expect(system, "0 frames", "energy.npy")
-
-
-def test_mixed_type_system_is_refused(tmp_path: Path) -> None:
-    """DeePMD's mixed-type format (per-frame ``real_atom_types.npy``, placeholder type.raw) is
-    refused with a DataError saying so, instead of loading every atom as type 0."""
-    system = write_water_system(tmp_path / "sys", 2)
-    np.savetxt(system / "type.raw", [0, 0, 0], fmt="%d")
-    np.save(system / "set.000" / "real_atom_types.npy", np.array([[0, 1, 1], [0, 1, 1]]))
-    _expect(system, "mixed-type", "real_atom_types.npy")

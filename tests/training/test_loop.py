@@ -327,3 +327,19 @@ def test_refit_sample_holds_every_source() -> None:
     sample = loop._spread_sample(frames, 10)
     assert {f.source for f in sample} == {"big", "small", "big2"}
     assert len(sample) <= 10 + 3 and "C" in sample.elements
+
+
+def test_refit_sample_holds_every_element_of_a_mixed_source() -> None:
+    """A mixed-type source changes composition from frame to frame: an element found in one
+    frame only (here C in frame 500 of 1,000) is still in the refit's sample."""
+    from service.training.data import Frame, FrameDataset
+
+    def frame(numbers: list[int]) -> Frame:
+        n = len(numbers)
+        positions = np.arange(3 * n, dtype=np.float64).reshape(n, 3)
+        return Frame(np.array(numbers), positions, None, np.zeros(3, bool), 0.0, None, None, "m")
+
+    frames = FrameDataset([frame([6, 1, 1, 1, 1] if k == 500 else [8, 1, 1]) for k in range(1000)])
+    sample = loop._spread_sample(frames, 256)
+    assert set(sample.elements) == {"C", "H", "O"}
+    assert len(sample) <= 256 + 1
