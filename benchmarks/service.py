@@ -248,7 +248,7 @@ def make_engine(evaluator: Evaluator, metrics: Any, profiler: Any = None) -> Any
 
     info = evaluator.info()
     return Engine(
-        Worker(evaluator, metrics),
+        [Worker(evaluator, metrics)],
         batch_limits(ServiceSettings(), evaluator.execution.device),
         metrics,
         rcut=float(info["rcut"]),

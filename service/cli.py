@@ -36,7 +36,10 @@ def serve(
     model: Annotated[
         Path | None, typer.Option(help="model file (default the shipped model)")
     ] = None,
-    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N")] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(help="auto | cpu | cuda | cuda:N | cuda:all | cuda:0,cuda:1,... (one queue)"),
+    ] = None,
     execution: Annotated[
         str | None, typer.Option("--path", help="auto | fused | reference value path")
     ] = None,

@@ -7,6 +7,7 @@ One place decides, so every op answers the same way. ``TRITON_INTERPRET`` is rea
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -38,8 +39,26 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if not tensors:
         return False
     if all(t.is_cuda for t in tensors):
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise UnsupportedInputError(
+                f"so2kernels: operands on different devices ({', '.join(map(str, devices))}); "
+                "move them to one device"
+            )
         return triton_available()
     return INTERPRET and all(t.device.type == "cpu" for t in tensors)
+
+
+def launch_device(t: torch.Tensor) -> AbstractContextManager[object]:
+    """Make ``t``'s CUDA device current for a Triton launch.
+
+    Triton launches on the *current* device and stream, not on its operands' device (torch's
+    own ops switch devices for themselves): without this, operands on ``cuda:1`` while
+    ``cuda:0`` is current would be handed to a kernel running on ``cuda:0``.
+    """
+    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+        return nullcontext()
+    return torch.cuda.device(t.device)
 
 
 class UnsupportedInputError(ValueError):

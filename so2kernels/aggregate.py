@@ -64,7 +64,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from so2kernels._dispatch import UnsupportedInputError, require_fp32, use_triton
+from so2kernels._dispatch import UnsupportedInputError, launch_device, require_fp32, use_triton
 from so2kernels._layout import (
     SUPPORTED_LMAX,
     channel_rows_to_edge_major,
@@ -636,7 +636,8 @@ def _aggregate_op(
     if not use_triton(x_local, wigner, weights, dst_rowptr):
         return attention_aggregate_reference(x_local, wigner, weights, dst_rowptr, lmax)
     _check_fused_regime(x_local, wigner, weights, lmax)
-    return launch_aggregate_fwd(x_local.contiguous(), wigner, weights, dst_rowptr, lmax)
+    with launch_device(x_local):
+        return launch_aggregate_fwd(x_local.contiguous(), wigner, weights, dst_rowptr, lmax)
 
 
 @_aggregate_op.register_fake
@@ -665,9 +666,10 @@ def _aggregate_bwd_op(
         )
     _check_fused_regime(x_local, wigner, weights, lmax)
     require_fp32(f"{_OP}_bwd", grad_out=grad_out)
-    return launch_aggregate_bwd(
-        grad_out.contiguous(), x_local.contiguous(), wigner, weights, dst_rowptr, lmax
-    )
+    with launch_device(grad_out):
+        return launch_aggregate_bwd(
+            grad_out.contiguous(), x_local.contiguous(), wigner, weights, dst_rowptr, lmax
+        )
 
 
 @_aggregate_bwd_op.register_fake

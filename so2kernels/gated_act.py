@@ -36,7 +36,7 @@ import triton
 from torch import Tensor
 from torch.library import wrap_triton
 
-from so2kernels._dispatch import require_fp32, use_triton
+from so2kernels._dispatch import launch_device, require_fp32, use_triton
 from so2kernels._layout import check_regime, row_width
 from so2kernels.mixing_stack_kernels import (
     StackPrecision,
@@ -292,7 +292,8 @@ def _act_op(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Te
         return gated_act_reference(z, gw, gwt, lmax, focus_dim)
     check_regime("gated_act", lmax, focus_dim)
     require_fp32("gated_act", z=z, gw=gw)
-    return _launch_fwd(z.contiguous(), gw.contiguous(), _Dims(lmax, focus_dim))
+    with launch_device(z):
+        return _launch_fwd(z.contiguous(), gw.contiguous(), _Dims(lmax, focus_dim))
 
 
 @_act_op.register_fake  # type: ignore[untyped-decorator]
@@ -313,13 +314,14 @@ def _act_bwd_op(
         )
     if use_triton(grad, z, gw, gwt):
         require_fp32("gated_act_bwd", grad=grad, z=z, gw=gw, gwt=gwt)
-        return _launch_bwd(
-            grad.contiguous(),
-            z.contiguous(),
-            gw.contiguous(),
-            gwt.contiguous(),
-            _Dims(lmax, focus_dim),
-        )
+        with launch_device(grad):
+            return _launch_bwd(
+                grad.contiguous(),
+                z.contiguous(),
+                gw.contiguous(),
+                gwt.contiguous(),
+                _Dims(lmax, focus_dim),
+            )
     d_z, d_logit = gated_act_backward_reference(grad, z, gw, lmax, focus_dim)
     return d_z.contiguous(), d_logit.contiguous()
 

@@ -40,7 +40,7 @@ import triton
 from torch import Tensor
 from torch.library import wrap_triton
 
-from so2kernels._dispatch import UnsupportedInputError, require_fp32, use_triton
+from so2kernels._dispatch import UnsupportedInputError, launch_device, require_fp32, use_triton
 from so2kernels._layout import block_widths, check_regime, row_width
 from so2kernels.gated_act import gated_act, gated_act_backward, gated_act_reference
 from so2kernels.mixing_stack_backward import mixing_stack_backward, stack_backward_composed
@@ -265,7 +265,8 @@ def _mixing_stack_op(
         check_regime(name, lmax, focus_dim)
         require_fp32(name, **dict(zip(_OPERAND_NAMES, tensors, strict=True)))
         dense = tuple(t.contiguous() for t in tensors)
-        return _mixing_stack_fused(dense, lmax, focus_dim, apply_alpha, tier)
+        with launch_device(u0):
+            return _mixing_stack_fused(dense, lmax, focus_dim, apply_alpha, tier)
     if tier is not StackPrecision.EXACT:
         raise UnsupportedInputError(
             f"so2kernels.{name}: precision {tier.value!r} needs the Triton path "

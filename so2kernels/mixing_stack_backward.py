@@ -34,7 +34,7 @@ import triton
 from torch import Tensor
 from torch.library import wrap_triton
 
-from so2kernels._dispatch import require_fp32, use_triton
+from so2kernels._dispatch import launch_device, require_fp32, use_triton
 from so2kernels._layout import block_widths
 from so2kernels.gated_act import gated_act_backward_reference, gated_act_reference
 from so2kernels.mixing_stack_kernels import (
@@ -485,9 +485,9 @@ def _mixing_stack_bwd_op(
         None if grad_u is None else packed(grad_u),
         lmax, focus_dim, apply_alpha, need_weights,
     )  # fmt: skip
-    if tier is StackPrecision.FAST:
-        return _stack_backward_fast(contiguous)
-    return _stack_backward_exact(contiguous)
+    traversal = _stack_backward_fast if tier is StackPrecision.FAST else _stack_backward_exact
+    with launch_device(grad_out):
+        return traversal(contiguous)
 
 
 @_mixing_stack_bwd_op.register_fake  # type: ignore[untyped-decorator]

@@ -55,7 +55,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from so2kernels._dispatch import require_fp32, use_triton
+from so2kernels._dispatch import launch_device, require_fp32, use_triton
 from so2kernels.aggregate import default_segment_parts, dst_of_edges, segment_part_range
 
 __all__ = [
@@ -361,7 +361,8 @@ def _outer_sum_op(a: Tensor, b: Tensor, row_map: Tensor, dst_rowptr: Tensor) -> 
     if not use_triton(a, b, row_map, dst_rowptr):
         return segment_outer_sum_reference(a, b, row_map, dst_rowptr)
     require_fp32(_OP, a=a, b=b)
-    return launch_outer_sum_fwd(a, b, row_map, dst_rowptr)
+    with launch_device(a):
+        return launch_outer_sum_fwd(a, b, row_map, dst_rowptr)
 
 
 @_outer_sum_op.register_fake
@@ -379,7 +380,8 @@ def _outer_sum_bwd_op(
     if not use_triton(grad_out, a, b, row_map, dst_rowptr):
         return segment_outer_sum_backward_reference(grad_out, a, b, row_map, dst_rowptr)
     require_fp32(f"{_OP}_bwd", grad_out=grad_out, a=a, b=b)
-    return launch_outer_sum_bwd(grad_out.contiguous(), a, b, row_map, dst_rowptr)
+    with launch_device(grad_out):
+        return launch_outer_sum_bwd(grad_out.contiguous(), a, b, row_map, dst_rowptr)
 
 
 @_outer_sum_bwd_op.register_fake

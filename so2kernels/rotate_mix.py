@@ -47,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from so2kernels._dispatch import UnsupportedInputError, require_fp32, use_triton
+from so2kernels._dispatch import UnsupportedInputError, launch_device, require_fp32, use_triton
 from so2kernels._layout import (
     MAX_RANK,
     check_regime,
@@ -522,9 +522,10 @@ def _rotate_mix_op(
     if use_triton(x, src, wigner, kc, cb):
         check_fused_regime(x, wigner, kc, cb, lmax, n_focus, rank)
         tiles = rotate_mix_tiles("fwd", x.shape[2], lmax, rank, x.device)
-        return launch_rotate_mix_fwd(
-            ops.x, ops.src, ops.wigner, ops.kc, ops.cb, lmax, n_focus, rank, tiles
-        )
+        with launch_device(x):
+            return launch_rotate_mix_fwd(
+                ops.x, ops.src, ops.wigner, ops.kc, ops.cb, lmax, n_focus, rank, tiles
+            )
     return rotate_mix_reference(*ops)
 
 

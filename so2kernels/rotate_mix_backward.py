@@ -56,7 +56,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from so2kernels._dispatch import require_fp32, use_triton
+from so2kernels._dispatch import launch_device, require_fp32, use_triton
 from so2kernels._layout import n_coeff, n_reduced, reduced_to_packed_tensor
 from so2kernels.rotate_mix import (
     _gather_edge_tile,
@@ -615,7 +615,8 @@ def _rotate_mix_bwd_op(
     check_fused_regime(x, *floats, *shape)
     require_fp32("so2_rotate_mix_bwd", grad_u=grad_u)
     tiles = rotate_mix_tiles("bwd", x.shape[2], lmax, rank, x.device)
-    return launch_rotate_mix_bwd(grad_u, x, *graph, *floats, *shape, want_cb, tiles)
+    with launch_device(x):
+        return launch_rotate_mix_bwd(grad_u, x, *graph, *floats, *shape, want_cb, tiles)
 
 
 @_rotate_mix_bwd_op.register_fake

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from so2kernels._dispatch import UnsupportedInputError, use_triton
+from so2kernels._dispatch import UnsupportedInputError, launch_device, use_triton
 
 # Input checks
 
@@ -290,7 +290,8 @@ def _segment_sum_op(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tens
     if not use_triton(rows, *index):
         return segment_sum_reference(rows, order, row_ptr)
     _require_float("segment_sum", rows, "rows")
-    return _launch_segment_sum(rows, order, row_ptr)
+    with launch_device(rows):
+        return _launch_segment_sum(rows, order, row_ptr)
 
 
 @triton_op("so2kernels::segment_broadcast", mutates_args=())
@@ -304,7 +305,8 @@ def _segment_broadcast_op(
     if not use_triton(values, *index):
         return segment_broadcast_reference(values, order, row_ptr, n_rows)
     _require_float("segment_broadcast", values, "values")
-    return _launch_segment_broadcast(values, order, row_ptr, n_rows)
+    with launch_device(values):
+        return _launch_segment_broadcast(values, order, row_ptr, n_rows)
 
 
 @_segment_sum_op.register_fake

@@ -13,7 +13,7 @@ import importlib.util
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -77,17 +77,17 @@ def server_version() -> str:
         return "0+unknown"
 
 
-def load_evaluator(settings: ServiceSettings) -> Evaluator:
-    """The model named by the settings (the shipped default when none), on its device."""
-    from service.model.potential import load_potential
+def load_evaluators(settings: ServiceSettings) -> list[Evaluator]:
+    """The model named by the settings (the shipped default when none), one copy on each of
+    its devices."""
+    from service.model.potential import load_potential, resolve_devices
 
-    potential: Evaluator = load_potential(
-        settings.model,
-        device=settings.device,
-        path=settings.execution,
-        precision=settings.precision,
-    )
-    return potential
+    return [
+        load_potential(
+            settings.model, device=device, path=settings.execution, precision=settings.precision
+        )
+        for device in resolve_devices(settings.device)
+    ]
 
 
 def batch_limits(settings: ServiceSettings, device: str) -> BatchLimits:
@@ -138,15 +138,17 @@ def _element_numbers(info: dict[str, Any]) -> list[int]:
     return [atomic_numbers[s] if isinstance(s, str) else int(s) for s in info["elements"]]
 
 
-async def _start(state: ServiceState, evaluator: Evaluator | None) -> None:
+async def _start(state: ServiceState, evaluators: Sequence[Evaluator] | None) -> None:
     started = time.perf_counter()
-    if evaluator is None:
-        evaluator = await asyncio.to_thread(load_evaluator, state.settings)
+    if not evaluators:
+        evaluators = await asyncio.to_thread(load_evaluators, state.settings)
+    evaluator = evaluators[0]
     info = dict(evaluator.info())
     elements = _element_numbers(info)
     execution = evaluator.execution
+    devices = ",".join(e.execution.device for e in evaluators)
     engine = Engine(
-        Worker(evaluator, state.metrics),
+        [Worker(e, state.metrics) for e in evaluators],
         batch_limits(state.settings, execution.device),
         state.metrics,
         rcut=float(info["rcut"]),
@@ -161,7 +163,7 @@ async def _start(state: ServiceState, evaluator: Evaluator | None) -> None:
         "execution": {
             "path": execution.path,
             "precision": execution.precision,
-            "device": execution.device,
+            "device": devices,
         },
     }
     state.metrics.model.info(
@@ -178,7 +180,7 @@ async def _start(state: ServiceState, evaluator: Evaluator | None) -> None:
         time.perf_counter() - started,
         state.provenance["model"]["name"],
         state.provenance["model"]["sha256"][:12],
-        execution.device,
+        devices,
         execution.path,
         execution.precision,
     )
@@ -278,9 +280,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 def create_app(
-    settings: ServiceSettings | None = None, evaluator: Evaluator | None = None
+    settings: ServiceSettings | None = None,
+    evaluator: Evaluator | Sequence[Evaluator] | None = None,
 ) -> FastAPI:
-    """The service app. ``evaluator`` replaces the model named in ``settings`` (tests)."""
+    """The service app. ``evaluator`` (one, or one per device) replaces the model named in
+    ``settings`` (tests)."""
+    evaluators = None if evaluator is None else _as_list(evaluator)
     settings = settings if settings is not None else ServiceSettings()
     state = ServiceState(
         settings=settings, metrics=ServiceMetrics(), server_version=server_version()
@@ -288,7 +293,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await _start(state, evaluator)
+        await _start(state, evaluators)
         with tuned_interpreter(settings.switch_interval_ms * 1e-3):
             try:
                 yield
@@ -310,6 +315,10 @@ def create_app(
     app.add_middleware(RequestContextMiddleware, state=state, routes=routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _as_list(evaluator: Evaluator | Sequence[Evaluator]) -> list[Evaluator]:
+    return list(evaluator) if isinstance(evaluator, Sequence) else [evaluator]
 
 
 def serve(settings: ServiceSettings) -> None:

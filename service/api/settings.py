@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|cuda:all|cuda:\d+(,cuda:\d+)+)$")
 
 
 def is_loopback(host: str) -> bool:
@@ -35,7 +35,11 @@ class ServiceSettings(BaseSettings):
     model: Path | None = Field(
         default=None, description="model file; None = the shipped default model"
     )
-    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    device: str = Field(
+        default="auto",
+        description="auto | cpu | cuda | cuda:N | cuda:all | cuda:N,cuda:M,... (several GPUs: "
+        "one model copy and worker thread per GPU, sharing one queue)",
+    )
     execution: Literal["auto", "fused", "reference"] = Field(
         default="auto", description="fused Triton path or eager reference; auto picks fused on CUDA"
     )
@@ -102,7 +106,10 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _known_device(cls, value: str) -> str:
         if not _DEVICE.match(value):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+            raise ValueError(
+                "device must be auto, cpu, cuda, cuda:N, cuda:all or a list cuda:N,cuda:M,..., "
+                f"got {value!r}"
+            )
         return value
 
     @field_validator("api_key")
@@ -118,6 +125,15 @@ class ServiceSettings(BaseSettings):
             raise ValueError(
                 f"refusing to listen on {self.host} without an API key: anyone who can reach "
                 "it could use the GPU. Set --api-key (or SO2SERVE_API_KEY), or pass --insecure"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _profile_one_device(self) -> ServiceSettings:
+        several = "," in self.device or self.device == "cuda:all"
+        if self.profile_passes > 0 and several:
+            raise ValueError(
+                "pass profiling records one device: use --device cuda:N with --profile-passes"
             )
         return self
 

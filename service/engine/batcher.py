@@ -4,11 +4,17 @@ Scheduling contract:
 
 * Requests are admitted (or refused at once: too many atoms, unknown element, queue full) and
   queued FIFO. Batches are formed on the event loop, by callbacks rather than a scheduler
-  task: a request that finds the device idle starts its pass from ``submit`` itself, and a
-  finished pass starts the next one from the callback that delivers its results. The worker
-  thread runs one batch at a time and hands each result back with exactly one
+  task: a request that finds a device idle starts its pass from ``submit`` itself, and a
+  finished pass starts the next one from the callback that delivers its results. Each device
+  has its worker thread (a *lane*: one ``Worker`` and its ``worker.DeviceThread``), which
+  runs one batch at a time and hands each result back with exactly one
   ``call_soon_threadsafe`` (no executor future, no task wake-ups in between; batches reach
-  the thread through a plain queue, ``worker.DeviceThread``).
+  the thread through a plain queue).
+* Several devices share the one queue: whenever a lane is idle and work is queued, the next
+  batch goes to it. A request with many structures is spread over several batches, and so
+  over several devices at once; its results are joined in structure order whatever lane
+  each part ran on. Queued work that would fit in fewer passes than there are idle devices
+  is shared evenly among them (each pass takes its share of the queued atoms and edges).
 * A batch takes structures from the head of the queue while the total atoms stay within
   ``max_batch_atoms`` and the *estimated* edges within ``max_batch_edges``. A request with many
   structures may be spread over several consecutive batches; one structure above the budget
@@ -57,6 +63,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 from ase.data import chemical_symbols
@@ -323,12 +330,22 @@ def _relocated(reason: BaseException, index: int) -> BaseException:
     return EvaluationFailedError(index=index, cause=reason)
 
 
+@dataclass(eq=False)
+class _Lane:
+    """One device of the engine: its worker, its thread and the batch it runs."""
+
+    worker: Worker
+    thread: DeviceThread | None = None
+    running: _Batch | None = None
+    last_pass_end: float | None = None  # perf_counter() when its last pass ended
+
+
 class Engine:
-    """Admission, queue, batching and result routing around one ``Worker``."""
+    """Admission, queue, batching and result routing around one ``Worker`` per device."""
 
     def __init__(
         self,
-        worker: Worker,
+        workers: Sequence[Worker],
         limits: BatchLimits,
         metrics: ServiceMetrics,
         *,
@@ -336,7 +353,9 @@ class Engine:
         elements: Collection[int] | None = None,
         profiler: PassProfiler | None = None,
     ) -> None:
-        self._worker = worker
+        if not workers:
+            raise ValueError("an engine needs at least one worker")
+        self._lanes = [_Lane(worker) for worker in workers]
         self._profiler = profiler
         self._limits = limits
         self._metrics = metrics
@@ -357,14 +376,11 @@ class Engine:
         self._returning: dict[Hashable, float] = {}
         # Every client answered and not back yet → when it was answered (oldest first).
         self._away: OrderedDict[Hashable, float] = OrderedDict()
-        self._running: _Batch | None = None  # the batch on the device
-        self._last_pass_end: float | None = None  # perf_counter() when the last pass ended
         # An inline pass ran and the loop has not turned since (see _start_pass).
         self._inline_unsettled = False
         self._window: asyncio.TimerHandle | None = None  # pending end of a gathering wait
         self._gathering_since: float | None = None  # perf_counter() when that wait began
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._device: DeviceThread | None = None
         self._open = False
 
     @property
@@ -379,33 +395,44 @@ class Engine:
     def running(self) -> bool:
         return self._open
 
+    @property
+    def devices(self) -> list[str]:
+        """The device of every lane, in lane order."""
+        return [str(lane.worker.device) for lane in self._lanes]
+
     async def start(self) -> None:
-        """Start the worker thread; from now on requests are admitted on this event loop."""
+        """Start the worker threads; from now on requests are admitted on this event loop."""
         self._loop = asyncio.get_running_loop()
         if self._profiler is not None:  # its passes report this thread's CPU time too
             self._profiler.loop_thread = threading.get_ident()
-        self._device = DeviceThread()
+        for k, lane in enumerate(self._lanes):
+            lane.thread = DeviceThread(f"so2serve-device-{k}")
         self._open = True
 
     async def warm_up(self, numbers: Sequence[int]) -> None:
-        """Run the worker's warm-up pass in the device thread."""
-        await self._require_device().run(lambda: self._worker.warm_up(numbers))
+        """Run every worker's warm-up pass in its device thread, one device after the other
+        (the first compiles the kernels; the others load them)."""
+        for lane in self._lanes:
+            await self._thread_of(lane).run(partial(lane.worker.warm_up, numbers))
 
     async def stop(self) -> None:
         """Stop scheduling; requests still queued or on the device get ``EngineClosedError``."""
         self._open = False
         self._cancel_window()
         closed = EngineClosedError("the server is shutting down")
-        leftovers = list(self._queue) + ([] if self._running is None else list(self._running.jobs))
+        leftovers = list(self._queue)
+        for lane in self._lanes:
+            leftovers.extend([] if lane.running is None else lane.running.jobs)
         for job in leftovers:
             if not job.future.done():
                 job.future.set_exception(closed)
         self._queue.clear()
         self._queued_atoms, self._queued_edges = 0, 0.0
         self._metrics.queue_depth.set(0)
-        if self._device is not None:  # after the pass on the device, if any, has ended
-            await asyncio.to_thread(self._device.close)
-            self._device = None
+        for lane in self._lanes:
+            if lane.thread is not None:  # after the pass on its device, if any, has ended
+                await asyncio.to_thread(lane.thread.close)
+                lane.thread = None
 
     def submit(
         self,
@@ -509,10 +536,10 @@ class Engine:
             )
 
     def _retry_after_s(self) -> int:
-        rate = self._atoms_per_second
+        rate = self._atoms_per_second  # of one device: every lane works through the queue
         if not rate:
             return 1
-        return int(min(60, max(1, math.ceil(self._queued_atoms / rate))))
+        return int(min(60, max(1, math.ceil(self._queued_atoms / (rate * len(self._lanes))))))
 
     def _withdraw(self, job: _Job) -> None:
         self._metrics.cancelled.inc()
@@ -587,28 +614,37 @@ class Engine:
 
     # scheduling
 
-    def _require_device(self) -> DeviceThread:
-        if self._device is None:
+    def _thread_of(self, lane: _Lane) -> DeviceThread:
+        if lane.thread is None:
             raise EngineClosedError("the engine is not started")
-        return self._device
+        return lane.thread
+
+    def _idle_lane(self) -> _Lane | None:
+        return next((lane for lane in self._lanes if lane.running is None), None)
+
+    def _all_idle(self) -> bool:
+        return all(lane.running is None for lane in self._lanes)
 
     def _dispatch_when_due(self) -> None:
-        """Start the next pass now if the device is idle and no returning client is worth
-        waiting for (see the module docstring).
+        """Start passes now on the idle devices while work is queued, unless a returning
+        client is worth waiting for (see the module docstring).
 
         The first call that decides to wait arms a timer for the latest due time (bounded by
         the longest wait); every admission re-checks, and the last returner to arrive starts
         the pass before the timer fires.
         """
-        if self._running is not None or not self._queue or not self._open:
-            return
-        now = time.perf_counter()
-        wait_s = self._gather_wait_s(now)
-        if wait_s <= 0.0:
-            self._start_pass()
-        elif self._window is None:
-            self._gathering_since = now
-            self._window = self._require_loop().call_later(wait_s, self._window_closed)
+        while self._open and self._queue:
+            lane = self._idle_lane()
+            if lane is None:
+                return
+            now = time.perf_counter()
+            wait_s = self._gather_wait_s(now)
+            if wait_s > 0.0:
+                if self._window is None:
+                    self._gathering_since = now
+                    self._window = self._require_loop().call_later(wait_s, self._window_closed)
+                return
+            self._start_pass(lane)
 
     def _gather_wait_s(self, now: float) -> float:
         """How much longer to hold the next pass for the clients still on their way back."""
@@ -621,8 +657,7 @@ class Engine:
     def _window_closed(self) -> None:
         self._window = None
         self._returning.clear()  # whoever is not back by now is late: not waited for again
-        if self._running is None and self._queue and self._open:
-            self._start_pass()
+        self._dispatch_when_due()
         self._gathering_since = None
 
     def _cancel_window(self) -> None:
@@ -630,20 +665,20 @@ class Engine:
             self._window.cancel()
             self._window = None
 
-    def _start_pass(self) -> None:
+    def _start_pass(self, lane: _Lane) -> None:
         if self._gathering_since is not None:
             self._metrics.gather_wait.observe(time.perf_counter() - self._gathering_since)
             self._gathering_since = None
         self._cancel_window()
-        batch = self._take_batch()
-        self._running = batch
+        batch = self._take_batch(lane)
+        lane.running = batch
         loop = self._require_loop()
         if not batch.inline:
-            self._require_device().submit(lambda: self._run_pass(batch, loop))
+            self._thread_of(lane).submit(lambda: self._run_pass(lane, batch, loop))
             return
         self._metrics.inline_passes.inc()
-        outcome, after = self._execute(batch)
-        self._finish_pass(batch, outcome)
+        outcome, after = self._execute(lane, batch)
+        self._finish_pass(lane, batch, outcome)
         # The caller resumes without yielding: a client in this process could send its next
         # request, find itself alone again and keep the loop from everyone else. Its next
         # pass goes to the worker unless the loop has turned first (it always has for an
@@ -664,28 +699,32 @@ class Engine:
             and not self._inline_unsettled
             and job.cursor == 0
             and len(self._queue) == 1
+            and self._all_idle()
             and not self._returning
             and not self._others_away(time.perf_counter())
         )
 
-    def _run_pass(self, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
+    def _run_pass(self, lane: _Lane, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
         """Worker thread: one device pass, then one hop back to the loop with its outcome."""
-        outcome, after = self._execute(batch)
+        outcome, after = self._execute(lane, batch)
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(self._finish_pass, batch, outcome)
+            loop.call_soon_threadsafe(self._finish_pass, lane, batch, outcome)
         if after is not None:
             after()  # profiling bookkeeping, once the answer is on its way
 
-    def _execute(self, batch: _Batch) -> tuple[BatchOutput | BaseException, AfterPass | None]:
+    def _execute(
+        self, lane: _Lane, batch: _Batch
+    ) -> tuple[BatchOutput | BaseException, AfterPass | None]:
         """One device pass in this thread: its outcome (a failure outside the model's
         per-structure isolation as the exception), and the profiler's bookkeeping to do
         once the answer is on its way (None without a profiler)."""
+        worker = lane.worker
         try:
             asked = [c.job.properties for c in batch.chunks]
             if self._profiler is None:
-                return self._worker.run(batch.parts, batch.properties, asked), None
+                return worker.run(batch.parts, batch.properties, asked), None
             return self._profiler.around(
-                lambda: self._worker.run(batch.parts, batch.properties, asked),
+                lambda: worker.run(batch.parts, batch.properties, asked),
                 {
                     "structures": batch.n_structures,
                     "atoms": batch.n_atoms,
@@ -697,9 +736,11 @@ class Engine:
             log.exception("device pass failed")
             return exc.with_traceback(None), None
 
-    def _finish_pass(self, batch: _Batch, outcome: BatchOutput | BaseException) -> None:
-        self._running = None
-        self._last_pass_end = None if isinstance(outcome, BaseException) else outcome.finished_at
+    def _finish_pass(
+        self, lane: _Lane, batch: _Batch, outcome: BatchOutput | BaseException
+    ) -> None:
+        lane.running = None
+        lane.last_pass_end = None if isinstance(outcome, BaseException) else outcome.finished_at
         if not self._open:
             return  # stop() has already failed every request of this batch
         if isinstance(outcome, BaseException):
@@ -721,22 +762,21 @@ class Engine:
             or self._queued_edges >= self._limits.max_batch_edges
         )
 
-    def _take_batch(self) -> _Batch:
+    def _take_batch(self, lane: _Lane) -> _Batch:
         limits = self._limits
         head = self._queue[0]
         head_atoms, head_edges = head.remaining()
         fits = head_atoms <= limits.max_batch_atoms and head_edges <= limits.max_batch_edges
         if fits and self._runs_inline(head, head_atoms):
             return self._take_alone(head)
+        atom_budget, edge_budget = self._pass_budget()
         chunks: list[_Chunk] = []
         parts: list[Structures] = []
         n_structures = n_atoms = 0
         n_edges = 0.0
         while self._queue:
             job = self._queue[0]
-            stop = job.fitting_stop(
-                limits.max_batch_atoms - n_atoms, limits.max_batch_edges - n_edges
-            )
+            stop = job.fitting_stop(atom_budget - n_atoms, edge_budget - n_edges)
             if stop == job.cursor:
                 if chunks:
                     break
@@ -760,10 +800,23 @@ class Engine:
             self._queue.popleft()
         self._metrics.queue_depth.set(len(self._queue))
         properties = frozenset({"energy"}.union(*(c.job.properties for c in chunks)))
-        waited = self._last_pass_end
+        waited = lane.last_pass_end
         if waited is not None and head.admitted_at > waited:
             waited = None  # the device was idle, waiting for work
         return _Batch(chunks, parts, properties, n_structures, n_atoms, n_edges, False, waited)
+
+    def _pass_budget(self) -> tuple[int, float]:
+        """Atoms and estimated edges the next pass may take: the limits, or an even share of
+        the queued work where it would fit in fewer passes than there are idle devices (a
+        request of 64 structures that fits one pass takes half the time on two)."""
+        limits = self._limits
+        idle = sum(lane.running is None for lane in self._lanes)
+        if idle < 2:
+            return limits.max_batch_atoms, limits.max_batch_edges
+        return (
+            min(limits.max_batch_atoms, math.ceil(self._queued_atoms / idle)),
+            min(limits.max_batch_edges, self._queued_edges / idle),
+        )
 
     def _take_alone(self, job: _Job) -> _Batch:
         """The whole of ``job``, the only request queued, as an inline batch."""

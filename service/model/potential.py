@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,31 @@ def resolve_device(device: str | torch.device) -> torch.device:
                 f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
             )
     return resolved
+
+
+def resolve_devices(spec: str) -> list[torch.device]:
+    """The devices a service runs on: one as :func:`resolve_device` takes it, ``cuda:all``
+    (every visible GPU), or distinct ``cuda:N`` joined by commas (``cuda:0,cuda:1``)."""
+    names = [name.strip() for name in spec.split(",")]
+    if names == ["cuda:all"]:
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda:all': CUDA is not available on this machine")
+        return [torch.device("cuda", k) for k in range(torch.cuda.device_count())]
+    if len(names) == 1:
+        return [resolve_device(names[0])]
+    devices = [resolve_device(name) for name in names]
+    if any(d.type != "cuda" or d.index is None for d in devices):
+        raise ValueError(f"several devices must each be cuda:N, got {spec!r}")
+    if len(set(devices)) < len(devices):
+        raise ValueError(f"a device is named twice in {spec!r}")
+    return devices
+
+
+def device_scope(device: torch.device) -> AbstractContextManager[object]:
+    """``device`` made current while an evaluation runs on it: Triton launches, CUDA-graph
+    capture and its side streams act on the *current* CUDA device, not on the tensors' one,
+    so a model on ``cuda:1`` (or one of several in a process) must not rely on the default."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def resolve_path(config: ModelConfig, device: torch.device, path: str) -> str:
@@ -304,6 +330,12 @@ class Potential:
         create_graph: bool = False,
     ) -> Prediction:
         """Evaluate a batch; see the module docstring for the pipeline."""
+        with device_scope(self.device):
+            return self._predict(structures, properties, create_graph)
+
+    def _predict(
+        self, structures: Structures, properties: Collection[str], create_graph: bool
+    ) -> Prediction:
         unknown = set(properties) - PROPERTIES
         if unknown:
             raise ValueError(

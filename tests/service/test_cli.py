@@ -25,7 +25,7 @@ def test_serve_refuses_an_exposed_host_without_a_key() -> None:
 def test_serve_reports_bad_settings() -> None:
     result = CliRunner().invoke(app, ["serve", "--device", "gpu7"])
     assert result.exit_code == 2
-    assert "device must be auto, cpu, cuda or cuda:N" in result.output
+    assert "device must be auto, cpu, cuda, cuda:N, cuda:all or a list" in result.output
 
 
 def test_info_from_a_running_service() -> None:

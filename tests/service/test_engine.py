@@ -53,7 +53,7 @@ def run_engine(
     async def main() -> T:
         metrics = ServiceMetrics()
         engine = Engine(
-            Worker(potential, metrics),
+            [Worker(potential, metrics)],
             BatchLimits(**limits),
             metrics,
             rcut=potential.rcut,

@@ -1,0 +1,150 @@
+"""Throughput of the engine over one GPU against all GPUs of the host (GPU; the lead runs it).
+
+    python benchmarks/devices.py [--model FILE] [--sizes 192 1536] [--total-atoms 196608]
+                                 [--precision fp32] [--repeats 3]
+
+A screening workload of water boxes (``--total-atoms`` in structures of each ``--sizes``) goes
+through ``service.engine.Engine`` in this process (no HTTP: what the engine's lanes add is
+the subject) in two shapes: one request holding every structure (``so2serve screen`` with a
+large batch), and concurrent requests of 8 structures each (several screening clients). Each
+is timed on ``cuda:0`` alone and on every visible GPU (one model copy and worker thread each,
+one queue), after a warm-up pass per device and one untimed round; medians of ``--repeats``
+rounds, atoms per second, and the speed-up of all GPUs over one. The results of both engines
+are compared (max |ΔE| per atom, max |ΔF|). Raw numbers go to
+``benchmarks/results/devices_<stamp>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from ase import Atoms
+
+from benchmarks.common import write_results
+from benchmarks.service import model_file, water_atoms
+from service.engine import BatchLimits, Engine, EvaluationResult, ServiceMetrics, Worker
+from service.graph.structures import Structures
+from service.model.potential import Potential, load_potential
+
+ROOT = Path(__file__).resolve().parents[1]
+PROPERTIES = frozenset(("energy", "forces", "stress"))
+REQUEST_STRUCTURES = 8
+"""Structures per request in the concurrent shape."""
+
+
+def workload(n_atoms: int, total_atoms: int) -> list[Atoms]:
+    count = max(2, total_atoms // n_atoms)
+    return [water_atoms(n_atoms, seed=k) for k in range(count)]
+
+
+async def _timed_rounds(
+    potentials: list[Potential], requests: list[Structures], repeats: int
+) -> tuple[list[float], list[EvaluationResult]]:
+    metrics = ServiceMetrics()
+    engine = Engine(
+        [Worker(p, metrics) for p in potentials],
+        BatchLimits(inline_max_atoms=0),
+        metrics,
+        rcut=potentials[0].config.rcut,
+    )
+    await engine.start()
+    try:
+        await engine.warm_up([1, 8])
+        seconds: list[float] = []
+        results: list[EvaluationResult] = []
+        for k in range(repeats + 1):  # the first round is untimed (graph capture, allocator)
+            started = time.perf_counter()
+            results = list(
+                await asyncio.gather(*(engine.evaluate(r, PROPERTIES) for r in requests))
+            )
+            if k:
+                seconds.append(time.perf_counter() - started)
+        return seconds, results
+    finally:
+        await engine.stop()
+
+
+def _largest_difference(a: list[EvaluationResult], b: list[EvaluationResult]) -> dict[str, float]:
+    energy = max(
+        float(np.max(np.abs(x.energy - y.energy) / np.diff(x.atom_ptr)))
+        for x, y in zip(a, b, strict=True)
+    )
+    forces = max(
+        float(np.max(np.abs(x.forces - y.forces)))
+        for x, y in zip(a, b, strict=True)
+        if x.forces is not None and y.forces is not None
+    )
+    return {"max_abs_de_per_atom_ev": energy, "max_abs_df_ev_per_a": forces}
+
+
+def run_case(
+    potentials: list[Potential], atoms: list[Atoms], shape: str, repeats: int
+) -> dict[str, Any]:
+    if shape == "one_request":
+        requests = [Structures.from_atoms(atoms)]
+    else:
+        requests = [
+            Structures.from_atoms(atoms[i : i + REQUEST_STRUCTURES])
+            for i in range(0, len(atoms), REQUEST_STRUCTURES)
+        ]
+    n_atoms = sum(len(a) for a in atoms)
+    row: dict[str, Any] = {
+        "shape": shape,
+        "structure_atoms": len(atoms[0]),
+        "structures": len(atoms),
+        "requests": len(requests),
+        "atoms": n_atoms,
+    }
+    outcomes = {}
+    for label, lanes in (("one_gpu", potentials[:1]), ("all_gpus", potentials)):
+        seconds, results = asyncio.run(_timed_rounds(lanes, requests, repeats))
+        median = statistics.median(seconds)
+        row[f"{label}_s"] = median
+        row[f"{label}_atoms_per_s"] = n_atoms / median
+        row[f"{label}_rounds_s"] = seconds
+        outcomes[label] = results
+    row["speedup"] = row["one_gpu_s"] / row["all_gpus_s"]
+    row.update(_largest_difference(outcomes["one_gpu"], outcomes["all_gpus"]))
+    print(
+        f"{shape:12s} {len(atoms[0]):5d} atoms × {len(atoms):4d}: 1 GPU {row['one_gpu_s']:.3f} s, "
+        f"{len(potentials)} GPUs {row['all_gpus_s']:.3f} s → {row['speedup']:.2f}×"
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model file (default: shipped)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[192, 1536])
+    parser.add_argument("--total-atoms", type=int, default=196_608)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16x3"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    n_gpus = torch.cuda.device_count()
+    if n_gpus < 2:
+        raise SystemExit(f"needs two or more CUDA devices, found {n_gpus}")
+    path = model_file(args.model, ROOT / "runs")
+    potentials = [
+        load_potential(path, device=f"cuda:{k}", precision=args.precision) for k in range(n_gpus)
+    ]
+    rows: list[dict[str, Any]] = []
+    out: Path | None = None
+    for size in args.sizes:
+        atoms = workload(size, args.total_atoms)
+        for shape in ("one_request", "concurrent"):
+            rows.append(run_case(potentials, atoms, shape, args.repeats))
+            out = write_results(
+                args.out, "devices", rows, out, gpus=n_gpus, precision=args.precision
+            )
+
+
+if __name__ == "__main__":
+    main()
