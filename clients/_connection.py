@@ -23,12 +23,22 @@ A kept-alive connection may be closed by the server while idle (uvicorn's keep-a
 Before reusing one, a zero-timeout poll checks that the server has not closed it; if the
 server closes it anyway between that check and the request (nothing of the answer arrives),
 the request is sent once more on a fresh connection. Both are safe because an evaluation has
-no side effects.
+no side effects. A request that gets no answer within the timeout is not: the server may still
+be working on it, so it raises ``AnswerTimeout`` (and the connection is closed, so that a late
+answer is never read as the next one's).
+
+A server may answer before it has read the whole body (413 for a body above its limit) and
+close the connection: the answer is read and returned although sending the rest failed.
+
+The connection belongs to the process that opened it: a forked child (``multiprocessing``)
+opens its own instead of writing into the parent's socket, and a pickled copy starts without
+one.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import select
 import socket
 import ssl
@@ -58,6 +68,10 @@ class TransportError(Exception):
 
 class _Dropped(TransportError):
     """The peer closed the connection before any byte of the answer (idle close)."""
+
+
+class AnswerTimeout(TransportError):
+    """The request was sent but its answer did not arrive within the timeout."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +112,8 @@ class KeepAliveConnection:
     ) -> None:
         if spin_lead_s < 0:
             raise ValueError(f"spin_lead_s must be >= 0, got {spin_lead_s}")
+        if not timeout > 0:  # 0 would make the socket non-blocking
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         parts = split_service_url(url)
         self._tls = parts.scheme == "https"
         assert parts.hostname is not None  # split_service_url requires a host
@@ -112,6 +128,7 @@ class KeepAliveConnection:
         self._fixed_headers = _header_lines({"Host": authority, **headers})
         self._socket: socket.socket | None = None
         self._reader: io.BufferedReader | None = None
+        self._owner_pid = 0  # the process that opened the socket
         self._reused = False
         self._spin_lead_s = spin_lead_s
         # The last request's size and the seconds from sending it to its first answer byte.
@@ -151,6 +168,10 @@ class KeepAliveConnection:
             self.close()
             raise TransportError(f"{type(exc).__name__}: {exc}") from exc
 
+    def __getstate__(self) -> dict[str, object]:
+        """Everything but the open connection (a copy opens its own)."""
+        return {**self.__dict__, "_socket": None, "_reader": None, "_reused": False}
+
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
@@ -165,11 +186,21 @@ class KeepAliveConnection:
 
     def _exchange(self, message: bytes) -> Reply:
         sock, reader = self._open()
-        sock.sendall(message)
-        if self._spin_lead_s > 0 and sock.fileno() < SELECT_FD_LIMIT:
-            self._await_answer(sock, time.perf_counter(), len(message))
-        status, headers, closes = _read_head(reader)
-        content = _read_body(reader, status, headers)
+        try:
+            sock.sendall(message)
+        except (BrokenPipeError, ConnectionResetError):
+            early = _early_answer(reader)
+            if early is None:
+                raise
+            self.close()  # the server closed the connection after answering
+            return early
+        try:
+            if self._spin_lead_s > 0 and sock.fileno() < SELECT_FD_LIMIT:
+                self._await_answer(sock, time.perf_counter(), len(message))
+            status, headers, closes = _read_head(reader)
+            content = _read_body(reader, status, headers)
+        except TimeoutError:
+            raise AnswerTimeout(f"no answer within {self._timeout:g} s") from None
         if closes:
             self.close()
         return Reply(status=status, headers=headers, content=content)
@@ -187,7 +218,7 @@ class KeepAliveConnection:
             while not readable and time.perf_counter() < spin_until:
                 readable = _readable(sock, 0.0)
         if not readable and not _readable(sock, self._timeout):
-            return  # the read that follows times out itself
+            raise TimeoutError  # not a second full timeout in the read that would follow
         took = time.perf_counter() - sent
         # Never later than the last answer: polling early only costs CPU, late costs the
         # wake-up this is here to avoid.
@@ -197,7 +228,12 @@ class KeepAliveConnection:
         self._last_size = size
 
     def _open(self) -> tuple[socket.socket, io.BufferedReader]:
-        """The kept-alive connection if the server still holds it open, else a new one."""
+        """The kept-alive connection if this process opened it and the server still holds it
+        open, else a new one."""
+        if self._socket is not None and self._owner_pid != os.getpid():
+            # Inherited through fork: closing this process's descriptor leaves the parent's
+            # connection open (the peer sees no close while the parent holds it).
+            self.close()
         if self._socket is not None and _peer_closed(self._socket):
             self.close()
         if self._socket is None or self._reader is None:
@@ -208,6 +244,7 @@ class KeepAliveConnection:
                 context = ssl.create_default_context()
                 sock = context.wrap_socket(sock, server_hostname=self._host)
             self._socket, self._reader = sock, sock.makefile("rb")
+            self._owner_pid = os.getpid()
             self._reused = False
         else:
             self._reused = True
@@ -230,6 +267,16 @@ def _peer_closed(sock: socket.socket) -> bool:
         return True
     readable, _, _ = select.select([sock], [], [], 0)
     return bool(readable)
+
+
+def _early_answer(reader: io.BufferedReader) -> Reply | None:
+    """The answer a server sent before it stopped reading the request, if a whole one
+    arrived (else None: the connection broke for another reason)."""
+    try:
+        status, headers, _ = _read_head(reader)
+        return Reply(status=status, headers=headers, content=_read_body(reader, status, headers))
+    except (TransportError, OSError, ValueError):
+        return None
 
 
 def _read_line(reader: io.BufferedReader) -> bytes:

@@ -7,7 +7,9 @@ JSON instead. Both carry float64 exactly, so the numbers equal the in-process ca
 for bit. Transient
 failures (connection errors, 502/503/504) are retried with backoff; everything else raises
 ``ServiceError``, an ``ase.calculators.calculator.CalculationFailed`` carrying the server's code
-and message.
+and message. A request without an answer within ``timeout`` is not resent (the server may still
+be computing it) and raises code ``timeout``; an answer that is not so2serve's (a redirect,
+another web service) raises code ``http_<status>`` or ``bad_response``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import orjson
 from ase import Atoms
 from ase.calculators.calculator import CalculationFailed, Calculator, all_changes
 
-from clients._connection import KeepAliveConnection, Reply, TransportError
+from clients._connection import AnswerTimeout, KeepAliveConnection, Reply, TransportError
 from clients._properties import IMPLEMENTED_PROPERTIES, properties_to_compute
 
 WireChoice = Literal["json", "msgpack"]
@@ -131,6 +133,17 @@ def error_from_response(status: int, content: bytes) -> ServiceError:
     )
 
 
+def bad_response(url: str, reply: Reply, reason: Exception) -> ServiceError:
+    """A 2xx answer that is not an so2serve document (``url`` names another service)."""
+    text = reply.content[:200].decode("utf-8", "replace")
+    return ServiceError(
+        f"{url} answered {reply.status} with something that is not an so2serve answer "
+        f"({type(reason).__name__}: {reason}): {text!r}",
+        code="bad_response",
+        status=reply.status,
+    )
+
+
 def retry_delay(attempt: int, backoff_s: float, retry_after: str | None) -> float:
     """Exponential backoff, or the server's Retry-After when it is longer (capped at 30 s)."""
     delay: float = backoff_s * 2.0**attempt
@@ -145,9 +158,10 @@ class SO2Calculator(Calculator):
     Args:
         url: base URL of the service.
         api_key: sent as ``X-API-Key`` (default: none).
-        timeout: seconds for one HTTP request.
+        timeout: seconds for connecting and for the answer to one request (a request
+            without an answer in time fails with code ``timeout``, not resent).
         wire: ``"msgpack"`` (raw binary arrays both ways) or ``"json"``.
-        retries: attempts after the first on transient failures.
+        retries: attempts after the first on transient failures (no connection, 502/503/504).
         backoff_s: first retry delay, doubled each attempt.
         spin_lead_ms: poll the socket from this long before the answer is due (predicted from
             the last answer to a request of the same size) instead of sleeping through the
@@ -174,6 +188,15 @@ class SO2Calculator(Calculator):
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
         if wire not in ("json", "msgpack"):
             raise ValueError(f"wire must be 'json' or 'msgpack', got {wire!r}")
+        if retries < 0 or not backoff_s >= 0:
+            raise ValueError(f"retries and backoff_s must be >= 0, got {retries}, {backoff_s}")
+        if api_key is not None and not api_key.isprintable():
+            # A line break would end the request's headers early: the server then sees a
+            # broken request (400 malformed_http) instead of a key.
+            raise ValueError(
+                "api_key contains a line break or another control character "
+                "(a key read from a file with its trailing newline?)"
+            )
         headers = {"Accept": _MSGPACK if wire == "msgpack" else _JSON}
         if api_key is not None:
             headers["X-API-Key"] = api_key
@@ -196,9 +219,13 @@ class SO2Calculator(Calculator):
         wanted = properties_to_compute(atoms, properties)
         binary = self.wire == "msgpack"
         body = encode_request([encode_structure(atoms, binary)], wanted, binary)
-        document = self._post("/evaluate", body, _MSGPACK if binary else _JSON)
+        reply = self._request("POST", "/evaluate", body, _MSGPACK if binary else _JSON)
+        try:
+            document = decode_response(reply.content, reply.header("content-type", _JSON) or _JSON)
+            result = result_arrays(document["results"][0])
+        except (ValueError, KeyError, IndexError, TypeError, msgpack.UnpackException) as exc:
+            raise bad_response(self.url, reply, exc) from exc
         self.provenance = document.get("provenance")
-        result = result_arrays(document["results"][0])
         self.results = {
             "energy": result["energy"],
             "free_energy": result["energy"],
@@ -208,7 +235,10 @@ class SO2Calculator(Calculator):
     def info(self) -> dict[str, Any]:
         """The service's ``/info`` (model, execution path, limits)."""
         reply = self._request("GET", "/info", None, None)
-        info: dict[str, Any] = orjson.loads(reply.content)
+        try:
+            info: dict[str, Any] = orjson.loads(reply.content)
+        except orjson.JSONDecodeError as exc:
+            raise bad_response(self.url, reply, exc) from exc
         return info
 
     def close(self) -> None:
@@ -221,10 +251,6 @@ class SO2Calculator(Calculator):
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def _post(self, path: str, body: bytes, content_type: str) -> dict[str, Any]:
-        reply = self._request("POST", path, body, content_type)
-        return decode_response(reply.content, reply.header("content-type", _JSON) or _JSON)
-
     def _request(
         self, method: str, path: str, body: bytes | None, content_type: str | None
     ) -> Reply:
@@ -233,6 +259,10 @@ class SO2Calculator(Calculator):
             last = attempt == self.retries
             try:
                 reply = self._http.request(method, path, body, headers)
+            except AnswerTimeout as exc:
+                raise ServiceError(
+                    f"so2serve at {self.url}: {exc}", code="timeout", status=None
+                ) from exc
             except TransportError as exc:
                 if last:
                     raise ServiceError(
@@ -242,7 +272,7 @@ class SO2Calculator(Calculator):
                     ) from exc
                 time.sleep(retry_delay(attempt, self.backoff_s, None))
                 continue
-            if reply.status < 400:
+            if 200 <= reply.status < 300:
                 return reply
             if reply.status not in _TRANSIENT_STATUS or last:
                 raise error_from_response(reply.status, reply.content)
