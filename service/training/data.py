@@ -175,12 +175,17 @@ def _read_types(system: Path, n_types: int) -> np.ndarray:
     return types
 
 
-def _load_npy(path: Path, n_frames: int | None, width: int | None) -> np.ndarray:
-    """Load a (frames, width) float array, checking shape and finiteness."""
+def _read_npy(path: Path) -> np.ndarray:
     try:
         array: np.ndarray = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise DataError(path, f"unreadable npy file ({exc})") from exc
+    return array
+
+
+def _load_npy(path: Path, n_frames: int | None, width: int | None) -> np.ndarray:
+    """Load a (frames, width) float array, checking shape and finiteness."""
+    array = _read_npy(path)
     if not np.issubdtype(array.dtype, np.number):
         raise DataError(path, f"numeric data expected, got dtype {array.dtype}")
     if array.ndim and array.shape[0] == 0:
@@ -242,10 +247,7 @@ def _is_mixed_type(sets: Sequence[Path]) -> bool:
 def _read_real_atom_types(path: Path, n_frames: int, n_atoms: int, n_types: int) -> np.ndarray:
     """A set's per-frame type indices, (frames, atoms) int64, checked against coord.npy and
     the type map; ``-1`` (a virtual atom) is kept for the caller to drop."""
-    try:
-        types: np.ndarray = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DataError(path, f"unreadable npy file ({exc})") from exc
+    types = _read_npy(path)
     if not np.issubdtype(types.dtype, np.integer):
         raise DataError(path, f"integer type indices expected, got dtype {types.dtype}")
     if types.shape != (n_frames, n_atoms):

@@ -32,6 +32,7 @@ from ase.vibrations import Vibrations
 
 from clients import SO2LocalCalculator
 from service.graph.errors import InvalidStructureError
+from tests.clients.test_calculators import water_box
 from tests.service.fakes import PairPotential, rattled_copper, small_molecule
 
 
@@ -45,20 +46,6 @@ def tiny_fp64() -> Any:
 
     torch.manual_seed(3)
     return Potential(DPA4Model(preset("tiny", ["H", "O"])), device="cpu", precision="fp64")
-
-
-def water_box(shear: float = 0.0) -> Atoms:
-    """Three waters in a (optionally sheared) periodic box, 9 atoms."""
-    box = Atoms(cell=np.diag([5.5, 5.0, 4.8]), pbc=True)
-    for k, shift in enumerate(([0.5, 0.6, 0.7], [2.9, 2.6, 2.4], [1.2, 3.4, 3.5])):
-        water = molecule("H2O")
-        water.rotate(40 * k, "x")
-        water.translate(shift)
-        box += water
-    if shear:
-        tilt = np.array([[0.0, 1.0, 0.5], [0.7, 0.0, 0.4], [0.3, 0.8, 0.0]]) * shear
-        box.set_cell(box.cell.array + tilt, scale_atoms=True)
-    return box
 
 
 def pair_calc() -> SO2LocalCalculator:

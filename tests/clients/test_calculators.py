@@ -251,13 +251,17 @@ def tiny_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def water_box() -> Atoms:
+def water_box(shear: float = 0.0) -> Atoms:
+    """Three waters in a (optionally sheared) periodic box, 9 atoms."""
     box = Atoms(cell=np.diag([5.5, 5.0, 4.8]), pbc=True)
     for k, shift in enumerate(([0.5, 0.6, 0.7], [2.9, 2.6, 2.4], [1.2, 3.4, 3.5])):
         water = molecule("H2O")
         water.rotate(40 * k, "x")
         water.translate(shift)
         box += water
+    if shear:
+        tilt = np.array([[0.0, 1.0, 0.5], [0.7, 0.0, 0.4], [0.3, 0.8, 0.0]]) * shear
+        box.set_cell(box.cell.array + tilt, scale_atoms=True)
     return box
 
 
