@@ -424,12 +424,16 @@ def canonical_order(dst: Tensor, src: Tensor, shifts: Tensor, *, n_atoms: int) -
     # One host read for the three bounds the key packing needs (each int() is a device sync).
     reach, first, last = torch.stack((shifts.abs().max(), dst.min(), dst.max())).tolist()
     base = 2 * reach + 1
-    code = ((shifts[:, 0] + reach) * base + shifts[:, 1] + reach) * base + shifts[:, 2] + reach
-    dst_span = last - first + 1
-    if dst_span * n_atoms * base**3 < _MAX_SORT_KEY:
-        order = stable_argsort(((dst - first) * n_atoms + src) * base**3 + code)
-    else:
-        order = stable_argsort(code)
-        order = order[stable_argsort(src[order])]
-        order = order[stable_argsort(dst[order])]
+    if base**3 < _MAX_SORT_KEY:
+        code = ((shifts[:, 0] + reach) * base + shifts[:, 1] + reach) * base + shifts[:, 2] + reach
+        if (last - first + 1) * n_atoms * base**3 < _MAX_SORT_KEY:
+            order = stable_argsort(((dst - first) * n_atoms + src) * base**3 + code)
+            return PairList(dst[order], src[order], shifts[order])
+        keys = [code, src, dst]
+    else:  # shifts of millions of cells (unwrapped positions): a packed code would overflow
+        keys = [shifts[:, 2], shifts[:, 1], shifts[:, 0], src, dst]
+    # Stable sorts from the least significant key up give the lexicographic order.
+    order = stable_argsort(keys[0])
+    for key in keys[1:]:
+        order = order[stable_argsort(key[order])]
     return PairList(dst[order], src[order], shifts[order])

@@ -512,10 +512,16 @@ def _lattice_defect(cell: NDArray[np.float64], pbc: NDArray[np.bool_]) -> _Latti
     # A periodic vector shorter than the minimum height is rejected before the volume tests:
     # products of tiny lengths underflow to 0 and would slip through them.
     short = [axis for axis, length in zip(axes.tolist(), lengths, strict=True) if length == 0.0]
-    if short or gram_volume < _MIN_RELATIVE_VOLUME * math.prod(lengths):
+    if short:
         return _LatticeDefect(
             False,
-            f"lattice vectors of the periodic axes {axes.tolist()} are zero or linearly dependent",
+            f"the lattice vector of periodic axis {short[0]} is zero (set pbc false on that "
+            "axis or give it a vector)",
+        )
+    if gram_volume < _MIN_RELATIVE_VOLUME * math.prod(lengths):
+        return _LatticeDefect(
+            False,
+            f"lattice vectors of the periodic axes {axes.tolist()} are linearly dependent",
         )
     for axis, length in zip(axes.tolist(), lengths, strict=True):
         if length < MIN_CELL_HEIGHT:  # then some height is this thin in every basis
