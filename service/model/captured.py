@@ -651,7 +651,10 @@ class CapturedSteps:
         before = torch.cuda.memory_reserved(self._device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the service's other threads (HTTP, metrics) may touch CUDA meanwhile.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        # On our own stream: torch's default capture stream is made once per process, on
+        # whichever device was current then, and capturing on it would make that device
+        # current for this model's launches (a second GPU's).
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
             outputs = self._searched_step(static, bucket)
         pool_bytes = torch.cuda.memory_reserved(self._device) - before
         return _Recorded(graph, static, outputs, pool_bytes=max(pool_bytes, 0))
