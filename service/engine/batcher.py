@@ -67,6 +67,7 @@ from functools import partial
 
 import numpy as np
 from ase.data import chemical_symbols
+from prometheus_client import Gauge
 from torch import Tensor
 
 from service.engine.errors import (
@@ -335,6 +336,7 @@ class _Lane:
     """One device of the engine: its worker, its thread and the batch it runs."""
 
     worker: Worker
+    rate: Gauge  # so2serve_atom_steps_per_second of this device
     thread: DeviceThread | None = None
     running: _Batch | None = None
     last_pass_end: float | None = None  # perf_counter() when its last pass ended
@@ -355,7 +357,10 @@ class Engine:
     ) -> None:
         if not workers:
             raise ValueError("an engine needs at least one worker")
-        self._lanes = [_Lane(worker) for worker in workers]
+        self._lanes = [
+            _Lane(worker, metrics.atom_steps_per_second.labels(str(worker.device)))
+            for worker in workers
+        ]
         self._profiler = profiler
         self._limits = limits
         self._metrics = metrics
@@ -747,7 +752,7 @@ class Engine:
             self._fail(batch, outcome)
             self._require_loop().call_soon(self._record_batch, batch)
         else:
-            self._deliver(batch, outcome)
+            self._deliver(lane, batch, outcome)
         self._expect_returns(batch, time.perf_counter())
         self._dispatch_when_due()
 
@@ -852,15 +857,20 @@ class Engine:
 
     # results
 
-    def _deliver(self, batch: _Batch, output: BatchOutput) -> None:
+    def _deliver(self, lane: _Lane, batch: _Batch, output: BatchOutput) -> None:
         self._last_pass_s = output.seconds
+        queue_waits: list[float] = []  # of the requests this pass answers
         for chunk in batch.chunks:
             job = chunk.job
             job.in_flight -= 1
-            if job.started_at is None:  # its first pass: queued until the worker began it
-                job.started_at = output.started_at
+            # Its passes may run on several devices and come back in any order: the request
+            # was queued until the first of them began and ran until the last one ended.
+            started = output.started_at
+            if job.started_at is not None:
+                started = min(started, job.started_at)
+            job.started_at = started
             job.compute_s += output.seconds
-            job.finished_at = output.finished_at
+            job.finished_at = max(job.finished_at, output.finished_at)
             job.passes += 1
             job.inline = batch.inline
             if job.future.done():
@@ -868,15 +878,19 @@ class Engine:
             failed = chunk.failure(output)
             if failed is not None:
                 self._abandon(job, _relocated(failed[1], failed[0]))
+                queue_waits.append(started - job.admitted_at)
                 continue
             job.parts.append((chunk.start, chunk.results(output)))
             if job.cursor == job.n_structures and job.in_flight == 0:
                 job.delivered_at = time.perf_counter()
                 job.future.set_result(self._assemble(job))
+                queue_waits.append(started - job.admitted_at)
         # After the handlers this has woken, which answer their clients first.
-        self._require_loop().call_soon(self._record_pass, batch, output)
+        self._require_loop().call_soon(self._record_pass, lane, batch, output, queue_waits)
 
-    def _record_pass(self, batch: _Batch, output: BatchOutput) -> None:
+    def _record_pass(
+        self, lane: _Lane, batch: _Batch, output: BatchOutput, queue_waits: list[float]
+    ) -> None:
         # Not when the pass starts: the loop would hold the interpreter lock the worker
         # thread needs to begin the pass.
         self._record_batch(batch)
@@ -886,12 +900,11 @@ class Engine:
             m.pass_gap.observe(max(0.0, output.started_at - batch.follows_pass_at))
         if output.seconds > 0:
             rate = batch.n_atoms / output.seconds
-            m.atom_steps_per_second.set(rate)
+            lane.rate.set(rate)
             prev = self._atoms_per_second
             self._atoms_per_second = rate if prev is None else 0.8 * prev + 0.2 * rate
-        for job in batch.jobs:
-            if job.started_at == output.started_at:  # its first pass
-                m.queue_wait.observe(job.started_at - job.admitted_at)
+        for wait in queue_waits:  # once a request, when it is answered
+            m.queue_wait.observe(wait)
 
     def _fail(self, batch: _Batch, exc: BaseException) -> None:
         for chunk in batch.chunks:

@@ -158,12 +158,14 @@ class ServiceMetrics:
         )
         self.atom_steps_per_second = Gauge(
             "so2serve_atom_steps_per_second",
-            "Atoms per second of device time, last pass.",
+            "Atoms per second of device time, last pass of each device.",
+            ["device"],
             registry=r,
         )
         self.gpu_memory_peak = Gauge(
             "so2serve_gpu_memory_peak_bytes",
-            "High-water mark of device memory allocated.",
+            "High-water mark of memory allocated on each GPU.",
+            ["device"],
             registry=r,
         )
         self.oom_splits = Counter(

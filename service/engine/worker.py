@@ -1,10 +1,11 @@
 """The device side of the engine: one batch at a time, out-of-memory recovery, host copies.
 
-``Worker.run`` executes in the engine's single worker thread, so exactly one stream of device
-work is in flight. On a device out-of-memory error the worker frees the caching allocator's
-blocks, bisects the batch by structure and retries each half; a structure that fails alone is
-reported per structure (``StructureTooLargeError`` for memory), so the rest of the batch still
-gets its results and nobody receives partial or stale numbers.
+``Worker.run`` executes in its device's worker thread, so exactly one stream of work is in
+flight on each device. On a device out-of-memory error the worker drops the evaluator's
+recorded CUDA graphs (their memory pools), bisects the batch by structure and retries each
+half; a structure that fails alone is reported per structure (``StructureTooLargeError`` for
+memory), so the rest of the batch still gets its results and nobody receives partial or stale
+numbers.
 """
 
 from __future__ import annotations
@@ -224,6 +225,10 @@ class Worker:
         self._evaluator = evaluator
         self._metrics = metrics
         self.device = torch.device(evaluator.execution.device)
+        # One series per GPU: with several devices one unlabelled gauge flipped between them.
+        self._memory_peak = (
+            metrics.gpu_memory_peak.labels(str(self.device)) if self.device.type == "cuda" else None
+        )
 
     def run(
         self,
@@ -245,8 +250,8 @@ class Worker:
         # small replayed batch on the host for its neighbour list; copying it to the device
         # here would cost ten synchronous copies there and back).
         partial = self._evaluate(batch, properties, 0, asked)
-        if self.device.type == "cuda":
-            self._metrics.gpu_memory_peak.set(torch.cuda.max_memory_allocated(self.device))
+        if self._memory_peak is not None:
+            self._memory_peak.set(torch.cuda.max_memory_allocated(self.device))
         f = partial.fields
         finished = time.perf_counter()
         return BatchOutput(
@@ -354,9 +359,10 @@ class Worker:
 
     def _release_cached_memory(self) -> None:
         # A Potential also holds recorded CUDA graphs (private pools); evaluators without any
-        # (test fakes) simply lack the method.
+        # (test fakes) simply lack the method. No torch.cuda.empty_cache(): the caching
+        # allocator already frees this device's unused blocks (dropped graph pools included)
+        # before it reports out of memory, and empty_cache acts on every device of the
+        # process: it would wait for the other devices' passes and free their caches too.
         release = getattr(self._evaluator, "release_cached_memory", None)
         if callable(release):
             release()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()

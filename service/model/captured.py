@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ eager steps and pins memory) run eagerly instead of thrashing the graph cache.""
 MAX_TRACKED_SHAPES = 4096
 WARMUP_STEPS = 2
 """Eager steps on a side stream before capture (compiles/caches Triton kernels, packs weights)."""
+
+_CAPTURE_LOCK = threading.Lock()
+"""Held while a CUDA graph is recorded (see ``CapturedSteps._record``)."""
 
 
 def bucket_size(n: int, minimum: int = 64) -> int:
@@ -653,8 +657,10 @@ class CapturedSteps:
         # thread_local: the service's other threads (HTTP, metrics) may touch CUDA meanwhile.
         # On our own stream: torch's default capture stream is made once per process, on
         # whichever device was current then, and capturing on it would make that device
-        # current for this model's launches (a second GPU's).
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+        # current for this model's launches (a second GPU's). One capture at a time in the
+        # process: two GPUs' workers recording at once invalidated each other's captures
+        # (cudaErrorStreamCaptureInvalidated, 80 of 80 tries on two H200s).
+        with _CAPTURE_LOCK, torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
             outputs = self._searched_step(static, bucket)
         pool_bytes = torch.cuda.memory_reserved(self._device) - before
         return _Recorded(graph, static, outputs, pool_bytes=max(pool_bytes, 0))

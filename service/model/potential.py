@@ -143,7 +143,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def resolve_devices(spec: str) -> list[torch.device]:
     """The devices a service runs on: one as :func:`resolve_device` takes it, ``cuda:all``
     (every visible GPU), or distinct ``cuda:N`` joined by commas (``cuda:0,cuda:1``)."""
-    names = [name.strip() for name in spec.split(",")]
+    names = spec.split(",")
     if names == ["cuda:all"]:
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda:all': CUDA is not available on this machine")

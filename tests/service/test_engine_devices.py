@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -38,7 +38,7 @@ T = TypeVar("T")
 
 
 def run_lanes(
-    potentials: list[PairPotential],
+    potentials: Sequence[PairPotential],
     scenario: Callable[[Engine], Awaitable[T]],
     **limits: Any,
 ) -> T:
@@ -202,7 +202,7 @@ def test_resolve_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     assert resolve_devices("cuda:all") == [torch.device("cuda", k) for k in range(3)]
-    assert resolve_devices("cuda:2, cuda:0") == [torch.device("cuda", 2), torch.device("cuda", 0)]
+    assert resolve_devices("cuda:2,cuda:0") == [torch.device("cuda", 2), torch.device("cuda", 0)]
     with pytest.raises(ValueError, match="named twice"):
         resolve_devices("cuda:1,cuda:1")
     with pytest.raises(ValueError, match="3 CUDA device"):
@@ -226,15 +226,17 @@ def test_model_on_two_gpus_matches_one_and_serves_from_one_queue() -> None:
 
     torch.cuda.set_device(0)
     first, second = (load_potential(None, device=f"cuda:{k}") for k in range(2))
-    request = Structures.from_atoms([small_molecule("H2O", seed=k) for k in range(6)])
+    assert next(second.model.parameters()).device == torch.device("cuda", 1)
     props = ("energy", "forces")
-    for _ in range(3):  # eager, then captured and replayed passes
+    for step in range(6):  # eager, then recorded and replayed passes, new positions each
+        request = water_batch(6, seed=10 * step)
         a = first.predict(request, props)
         b = second.predict(request, props)
-        assert b.energy.device == torch.device("cuda", 1)
+        assert a.forces is not None and b.forces is not None
         np.testing.assert_allclose(b.energy.cpu(), a.energy.cpu(), rtol=1e-6, atol=1e-5)
         np.testing.assert_allclose(b.forces.cpu(), a.forces.cpu(), rtol=1e-5, atol=1e-5)
     assert torch.cuda.current_device() == 0
+    assert first.info()["execution"]["cuda_graphs"] and second.info()["execution"]["cuda_graphs"]
 
     async def main() -> Any:
         metrics = ServiceMetrics()
@@ -253,8 +255,49 @@ def test_model_on_two_gpus_matches_one_and_serves_from_one_queue() -> None:
 
     served = asyncio.run(main())
     direct_result = first.predict(request, props)
+    assert direct_result.forces is not None
     np.testing.assert_allclose(served.energy, direct_result.energy.cpu().double(), atol=1e-5)
     np.testing.assert_allclose(served.forces, direct_result.forces.cpu().double(), atol=1e-5)
+
+
+def water_batch(n: int, seed: int) -> Structures:
+    return Structures.from_atoms([small_molecule("H2O", seed=seed + k) for k in range(n)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_record_cuda_graphs_at_the_same_time() -> None:
+    """Two lanes meet the same new batch shapes together, so they record their CUDA graphs at
+    the same time: each graph must be recorded on its own device's stream (torch's default
+    capture stream is one per process, made on the first device that captured: a graph of
+    the other device came out empty and replayed stale results), and captures must not
+    overlap (they invalidated each other, which turned graphs off for good)."""
+    from service.model.potential import load_potential
+
+    potentials = [load_potential(None, device=f"cuda:{k}") for k in range(2)]
+    reference = load_potential(None, device="cpu")
+    props = ("energy", "forces")
+    barrier = threading.Barrier(2)
+    outcomes: dict[int, list[Any]] = {0: [], 1: []}
+
+    def lane(k: int) -> None:
+        for step in range(6):
+            barrier.wait(timeout=60)
+            outcomes[k].append(potentials[k].predict(water_batch(6, seed=10 * step), props))
+
+    threads = [threading.Thread(target=lane, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    for k, potential in enumerate(potentials):
+        assert potential.info()["execution"]["cuda_graphs"], f"cuda:{k} turned its graphs off"
+        assert len(outcomes[k]) == 6
+        for step, got in enumerate(outcomes[k]):
+            want = reference.predict(water_batch(6, seed=10 * step), props)
+            assert got.forces is not None and want.forces is not None
+            np.testing.assert_allclose(got.energy.cpu(), want.energy, rtol=1e-4, atol=1e-3)
+            np.testing.assert_allclose(got.forces.cpu(), want.forces, rtol=1e-4, atol=1e-3)
 
 
 def test_service_over_two_devices_answers_and_reports_both() -> None:
