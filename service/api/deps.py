@@ -100,20 +100,34 @@ def _presented_key(headers: Mapping[str, str]) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def _why_refused(headers: Mapping[str, str], presented: str | None) -> str:
+    if presented is not None:
+        return "wrong API key"
+    scheme = headers.get("authorization", "").strip().partition(" ")[0]
+    if scheme and scheme.lower() != "bearer":
+        return (
+            f"missing API key: the Authorization scheme {scheme[:20]!r} is not accepted; "
+            "send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
+        )
+    return "missing API key"
+
+
 def require_api_key(headers: Mapping[str, str], state: ServiceState) -> None:
-    """401 unless the request headers (lower-case names) carry the server's key, when it has
-    one."""
+    """401 unless the request headers (lower-case names, values decoded as latin-1, as the
+    ASGI servers give them) carry the server's key, when it has one."""
     expected = state.settings.api_key
     if expected is None:
         return
     presented = _presented_key(headers)
+    # The header's bytes against the key's UTF-8: latin-1 gives the text back its bytes (the
+    # text's own UTF-8 would never match a key with a non-ASCII character).
     if presented is None or not secrets.compare_digest(
-        presented.encode(), expected.get_secret_value().encode()
+        presented.encode("latin-1"), expected.get_secret_value().encode()
     ):
         raise ApiError(
             401,
             "unauthorized",
-            "missing API key" if presented is None else "wrong API key",
+            _why_refused(headers, presented),
             detail={"accepted": ["X-API-Key: <key>", "Authorization: Bearer <key>"]},
             headers={"WWW-Authenticate": "Bearer"},
         )

@@ -6,13 +6,16 @@ Status, code and when:
   are not an HTTP/1.1 request at all (answered by the protocol, ``http_protocol.py``).
 * 401 ``unauthorized``: API key missing or wrong (when one is set).
 * 404 ``not_found``: unknown route; 405 ``method_not_allowed``: wrong method for the route.
+* 408 ``body_timeout``: the body did not arrive within ``body_timeout_s`` (``evaluate.py``).
 * 413 ``too_many_atoms``: a structure above ``--max-atoms``; 413 ``body_too_large``: body above
   ``--max-body-mb``.
 * 415 ``unsupported_media_type``: neither JSON nor msgpack.
 * 422 ``invalid_request``: schema violation (unknown property, wrong type, …);
-  ``detail.errors`` names each field.
+  ``detail.errors`` names each field. 422 ``bad_array``: a msgpack binary array of the wrong
+  dtype, shape or byte length (``wire.py``); ``detail.field`` names it.
 * 422 with the graph layer's code for an invalid structure (``non_finite_positions``,
   ``singular_cell``, ``unknown_element``, ``coincident_atoms``, …); ``detail.field`` names it.
+* 431 ``headers_too_large``: request line and headers above 64 KiB (the protocol again).
 * 500 ``evaluation_failed``: the model failed on one structure; 500 ``internal_error``: a bug.
 * 503 ``queue_full`` / ``not_ready`` (both with ``Retry-After``): overload, or the model is not
   loaded yet / the server is shutting down.

@@ -84,7 +84,8 @@ class EvaluateEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        # The first of a repeated header, as FastAPI's routes and the middleware read it.
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
         request_id = request_id_from(headers.get("x-request-id"))
         extra: Mapping[str, str] = {}
         answer: _Answer | None = None
@@ -320,9 +321,10 @@ def openapi_operation(schema_ref: str) -> dict[str, Any]:
         "400": "malformed body",
         "401": "API key missing or wrong",
         "405": "not a POST",
+        "408": "the body did not arrive in time (connection closed)",
         "413": "too many atoms in a structure, or body too large",
         "415": "neither JSON nor msgpack",
-        "422": "invalid request or structure",
+        "422": "invalid request, binary array or structure",
         "500": "evaluation failed",
         "503": "queue full or not ready (Retry-After)",
         "507": "a structure does not fit in device memory",

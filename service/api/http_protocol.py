@@ -22,6 +22,14 @@ anything else without a plain socket, go through the transport.
 
 Bytes that are not HTTP get the service's JSON error body (``malformed_http``) like every other
 failure, instead of uvicorn's plain-text 400.
+
+A connection waiting for a request head (a new one, or one whose last answer went out) is
+closed if no complete head arrives within the keep-alive timeout. uvicorn's own keep-alive
+timer starts only after an answer and stops at the first byte received, so a connection that
+never sent anything, or sends a head a byte at a time (slowloris), was held for ever. A head
+(request line and headers) above ``MAX_HEAD_BYTES`` is refused with 431 ``headers_too_large``:
+uvicorn's httptools protocol keeps every header line it is sent until the head ends, so an
+endless head grew the server's memory without bound (300 MB of headers: +600 MB).
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ from typing import Any, cast
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from service.api.errors import error_body
+
+MAX_HEAD_BYTES = 64 << 10
+"""Largest request head (request line and headers). An so2serve request's is a few hundred
+bytes; nginx allows 32 KiB by default, uvicorn's h11 parser 16 KiB."""
 
 
 def _is_bare_head(data: bytes) -> bool:
@@ -124,18 +136,80 @@ class HeadJoiningHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type
     """uvicorn's automatic HTTP protocol (httptools, else h11) over a
     ``HeadJoiningTransport``; pass it as uvicorn's ``http`` option. A request that is not
     parseable HTTP gets the service's JSON error (code ``malformed_http``) instead of
-    uvicorn's plain-text 400."""
+    uvicorn's plain-text 400; a head above ``MAX_HEAD_BYTES`` is 431 ``headers_too_large``,
+    and one that is not complete within the keep-alive timeout closes the connection."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+    _head_bytes = 0  # received of the request head being read
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        # No request yet, or the last one's body is complete: these bytes start the next head.
+        reading_head = cycle is None or not cycle.more_body
+        super().data_received(data)
+        if self.cycle is not cycle:  # a head was completed
+            self._head_bytes = 0
+        elif reading_head and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # The previous request is still being answered: an error now would cut into its
+            # answer. The client has gone wrong either way.
+            self.transport.close()
+            return
+        self._send_error_and_close(
+            b"431 Request Header Fields Too Large",
+            "headers_too_large",
+            f"the request line and headers exceed {MAX_HEAD_BYTES} bytes",
+        )
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports have the asyncio.Transport methods without subclassing it.
         stream = cast(asyncio.Transport, transport)
         super().connection_made(HeadJoiningTransport(stream, asyncio.get_running_loop()))
+        self._await_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        """Close the connection unless a new request head is complete (both uvicorn protocols
+        make a new ``cycle`` then) within the keep-alive timeout."""
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(
+            self.timeout_keep_alive, self._head_overdue, self.cycle
+        )
+
+    def _head_overdue(self, waiting_since: object) -> None:
+        self._head_timer = None
+        cycle = self.cycle
+        # A pipelined request still being answered has had its head: not overdue.
+        idle = cycle is None or cycle.response_complete
+        if cycle is waiting_since and idle and not self.transport.is_closing():
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         # Both uvicorn protocols call this on a parse error and write nothing else to the
         # connection, which closes right after: a whole answer as raw bytes fits either.
-        body = error_body("malformed_http", f"the request is not valid HTTP/1.1: {msg}")
-        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        self._send_error_and_close(
+            b"400 Bad Request", "malformed_http", f"the request is not valid HTTP/1.1: {msg}"
+        )
+
+    def _send_error_and_close(self, status: bytes, code: str, message: str) -> None:
+        """The JSON error answer as raw bytes, outside any request cycle, then close."""
+        body = error_body(code, message)
+        head = [b"HTTP/1.1 ", status, b"\r\n"]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
         head += [

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictBool, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 
 Property = Literal["energy", "forces", "stress", "energies", "virial"]
 DEFAULT_PROPERTIES: tuple[Property, ...] = ("energy", "forces")
@@ -78,7 +78,7 @@ def _species(value: object) -> np.ndarray:
         return raw
     if raw.dtype.kind in "iu":
         return raw
-    raise ValueError("species must be all element symbols or all atomic numbers")
+    raise ValueError("species must be all element symbols or all atomic numbers (integers 1..118)")
 
 
 def _has_nul(symbols: list[Any] | tuple[Any, ...]) -> bool:
@@ -104,9 +104,33 @@ Species = Annotated[
         {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}
     ),
 ]
+
+
+def _pbc(value: object) -> bool | list[bool]:
+    """One boolean or a list of them (its length is checked with the structure). One
+    validator rather than a union, whose errors name pydantic's branches (``pbc.bool``,
+    ``pbc.list[bool][0]``) instead of the field."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, list) and all(isinstance(v, bool) for v in value):
+        return value
+    raise ValueError(f"pbc must be one boolean or a list of three booleans, got {value!r:.40}")
+
+
 Positions = Annotated[np.ndarray, PlainValidator(_positions), _array_schema(2, 3)]
 Cell = Annotated[np.ndarray, PlainValidator(_cell), _array_schema(2, 3)]
-Pbc = StrictBool | list[StrictBool]
+Pbc = Annotated[
+    bool | list[bool],
+    PlainValidator(_pbc),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "boolean"},
+                {"type": "array", "items": {"type": "boolean"}, "minItems": 3, "maxItems": 3},
+            ]
+        }
+    ),
+]
 
 
 class StructureIn(BaseModel):

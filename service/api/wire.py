@@ -94,8 +94,10 @@ def _parse(body: bytes, fmt: WireFormat) -> Any:
         msgpack.FormatError,
         msgpack.StackError,
     ) as exc:
+        # msgpack's StackError says nothing by itself.
+        reason = "nested too deeply" if isinstance(exc, msgpack.StackError) else exc
         raise ApiError(
-            400, "malformed_body", f"the body is not valid {fmt.name.lower()}: {exc}"
+            400, "malformed_body", f"the body is not valid {fmt.name.lower()}: {reason}"
         ) from exc
 
 
