@@ -36,7 +36,6 @@ import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -71,6 +70,7 @@ from clients.http import (
 )
 
 if TYPE_CHECKING:
+    from service.engine import Engine
     from service.engine.evaluator import Evaluator
 
 PROPERTIES = ("energy", "forces", "stress")
@@ -91,7 +91,7 @@ class ScreenOptions:
     url: str | None = None
     api_key: str | None = None
     model: str | Path | None = None  # in process: model file (None = shipped default)
-    device: str = "auto"
+    device: str = "auto"  # in process: as ``so2serve serve --device`` (cuda:all: every GPU)
     concurrency: int = 4  # requests in flight
     batch_atoms: int = 4096  # atoms per request
     batch_structures: int = 64  # structures per request
@@ -225,48 +225,53 @@ class _HttpBackend:
         await self._client.aclose()
 
 
-class _LocalBackend:
-    """Batches through an in-process potential, one at a time on its device."""
+class _EngineBackend:
+    """Batches through the service's engine in this process, without HTTP: a copy of the model
+    on each device (one queue), the server's out-of-memory bisection and per-structure
+    failures."""
 
-    def __init__(self, evaluator: Evaluator) -> None:
-        self._evaluator = evaluator
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="so2screen-device")
+    def __init__(self, evaluators: Sequence[Evaluator]) -> None:
+        self._evaluators = list(evaluators)
+        self._engine: Engine | None = None
 
     async def evaluate(self, atoms: list[Atoms]) -> list[dict[str, Any]]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self._predict, atoms)
-
-    def _predict(self, atoms: list[Atoms]) -> list[dict[str, Any]]:
+        from service.engine.errors import EngineError
         from service.graph.errors import InvalidStructureError
         from service.graph.structures import Structures
 
         try:
             structures = Structures.from_atoms(atoms)
-            prediction = self._evaluator.predict(structures, PROPERTIES)
-        except InvalidStructureError as exc:
-            raise _Rejected(exc.code, exc.message, exc.index) from exc
-        except Exception as exc:  # the model failed: isolate the structure that caused it
-            raise _Rejected("evaluation_failed", f"{type(exc).__name__}: {exc}", None) from exc
-        ptr = structures.ptr.tolist()
-        energy = prediction.energy.detach().cpu().double().numpy()
-        forces = _numpy(prediction.forces)
-        stress = _numpy(prediction.stress)
+            result = await (await self._running()).evaluate(structures, PROPERTIES)
+        except (InvalidStructureError, EngineError) as exc:
+            raise _Rejected(exc.code, exc.message, getattr(exc, "index", None)) from exc
+        ptr = result.atom_ptr.tolist()
         out = []
         for b, a in enumerate(atoms):
-            row: dict[str, Any] = {"energy": float(energy[b])}
-            if forces is not None:
-                row["forces"] = forces[ptr[b] : ptr[b + 1]]
-            if stress is not None and a.pbc.all():
-                row["stress"] = stress[b]
+            row: dict[str, Any] = {"energy": float(result.energy[b])}
+            if result.forces is not None:
+                row["forces"] = result.forces[ptr[b] : ptr[b + 1]]
+            if result.stress is not None and a.pbc.all():
+                row["stress"] = result.stress[b]
             out.append(row)
         return out
 
+    async def _running(self) -> Engine:
+        if self._engine is None:
+            from service.engine import BatchLimits, Engine, ServiceMetrics, Worker
+
+            metrics = ServiceMetrics()
+            info = self._evaluators[0].info()
+            # No per-structure limit of a server to enforce, and no lone client to serve on
+            # the event loop: every pass goes to a device thread.
+            limits = BatchLimits(max_atoms=2**31 - 1, inline_max_atoms=0)
+            workers = [Worker(e, metrics) for e in self._evaluators]
+            self._engine = Engine(workers, limits, metrics, rcut=float(info["rcut"]))
+            await self._engine.start()
+        return self._engine
+
     async def aclose(self) -> None:
-        self._thread.shutdown(wait=True)
-
-
-def _numpy(value: Any) -> np.ndarray | None:
-    return None if value is None else value.detach().cpu().double().numpy()
+        if self._engine is not None:
+            await self._engine.stop()
 
 
 class _ResultStore:
@@ -674,13 +679,13 @@ async def _screen(
 
 def _backend(options: ScreenOptions, evaluator: Evaluator | None) -> _Backend:
     if evaluator is not None:
-        return _LocalBackend(evaluator)
+        return _EngineBackend([evaluator])
     if options.url is not None:
         return _HttpBackend(options)
-    from service.model.potential import load_potential, resolve_device
+    from service.model.potential import load_potential, resolve_devices
 
     try:  # a device this machine lacks aborts the run (the model file is not at fault)
-        device = resolve_device(options.device)
+        devices = resolve_devices(options.device)
     except ValueError as exc:
         raise ScreenAborted(str(exc)) from None
-    return _LocalBackend(load_potential(options.model, device=device))
+    return _EngineBackend([load_potential(options.model, device=d) for d in devices])

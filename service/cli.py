@@ -116,7 +116,9 @@ def screen(
         Path | None, typer.Option(help="in process: model file (default shipped)")
     ] = None,
     api_key: Annotated[str | None, typer.Option(envvar="SO2SERVE_API_KEY")] = None,
-    device: Annotated[str, typer.Option(help="in process: auto | cpu | cuda[:N]")] = "auto",
+    device: Annotated[
+        str, typer.Option(help="in process: auto | cpu | cuda[:N] | cuda:all | cuda:0,cuda:1,...")
+    ] = "auto",
     concurrency: Annotated[int, typer.Option(min=1, help="requests in flight")] = 4,
     batch_atoms: Annotated[int, typer.Option(min=1, help="atoms per request")] = 4096,
     batch_structures: Annotated[int, typer.Option(min=1, help="structures per request")] = 64,
