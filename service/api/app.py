@@ -146,7 +146,6 @@ async def _start(state: ServiceState, evaluators: Sequence[Evaluator] | None) ->
     info = dict(evaluator.info())
     elements = _element_numbers(info)
     execution = evaluator.execution
-    devices = ",".join(e.execution.device for e in evaluators)
     engine = Engine(
         [Worker(e, state.metrics) for e in evaluators],
         batch_limits(state.settings, execution.device),
@@ -155,6 +154,7 @@ async def _start(state: ServiceState, evaluators: Sequence[Evaluator] | None) ->
         elements=elements,
         profiler=pass_profiler(state.settings),
     )
+    devices = ",".join(engine.devices)
     await engine.start()
     if state.settings.warm_up:
         await engine.warm_up(elements)

@@ -140,6 +140,7 @@ class HeadJoiningHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type
     and one that is not complete within the keep-alive timeout closes the connection."""
 
     _head_timer: asyncio.TimerHandle | None = None
+    _head_wait: tuple[object, float] = (None, 0.0)  # (cycle, loop time) when the wait began
     _head_bytes = 0  # received of the request head being read
 
     def data_received(self, data: bytes) -> None:
@@ -184,19 +185,26 @@ class HeadJoiningHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type
 
     def _await_head(self) -> None:
         """Close the connection unless a new request head is complete (both uvicorn protocols
-        make a new ``cycle`` then) within the keep-alive timeout."""
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        self._head_timer = self.loop.call_later(
-            self.timeout_keep_alive, self._head_overdue, self.cycle
-        )
+        make a new ``cycle`` then) within the keep-alive timeout.
 
-    def _head_overdue(self, waiting_since: object) -> None:
+        Called after every answer, so it only notes when the wait began: one timer per
+        connection re-arms itself for the rest of the wait, instead of a timer per request."""
+        self._head_wait = (self.cycle, self.loop.time())
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_overdue)
+
+    def _head_overdue(self) -> None:
         self._head_timer = None
+        waiting_since, began = self._head_wait
         cycle = self.cycle
         # A pipelined request still being answered has had its head: not overdue.
         idle = cycle is None or cycle.response_complete
-        if cycle is waiting_since and idle and not self.transport.is_closing():
+        if cycle is not waiting_since or not idle or self.transport.is_closing():
+            return  # a head arrived: its answer starts the next wait
+        left = began + self.timeout_keep_alive - self.loop.time()
+        if left > 0:  # answered again since the timer was set
+            self._head_timer = self.loop.call_later(left, self._head_overdue)
+        else:
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:

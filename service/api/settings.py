@@ -133,7 +133,8 @@ class ServiceSettings(BaseSettings):
         several = "," in self.device or self.device == "cuda:all"
         if self.profile_passes > 0 and several:
             raise ValueError(
-                "pass profiling records one device: use --device cuda:N with --profile-passes"
+                "pass profiling records one device: with SO2SERVE_PROFILE_PASSES, "
+                "use --device cuda:N"
             )
         return self
 

@@ -363,10 +363,25 @@ def _test_candidates(
         + grid.wrap.index_select(0, dst)
         - grid.wrap.index_select(0, src)
     )
-    dst_batch = batch.index_select(0, dst)
+    return checked_pairs(positions, cells, batch, dst, src, shifts, cutoff, min_distance)
+
+
+def checked_pairs(
+    positions: Tensor,
+    cells: Tensor,
+    batch: Tensor,
+    dst: Tensor,
+    src: Tensor,
+    shifts: Tensor,
+    cutoff: float,
+    min_distance: float,
+) -> PairList:
+    """The candidates ``src + shifts·cell → dst`` (E,) within ``cutoff`` (``≤``, by this
+    arithmetic: every backend's pairs are decided here), in canonical order, after the
+    coincidence check over all of them. An atom's own zero-shift image is no pair."""
     vec = (
         positions.index_select(0, src)
-        + row_times_matrix(shifts.to(positions.dtype), cells, dst_batch)
+        + row_times_matrix(shifts.to(positions.dtype), cells, batch.index_select(0, dst))
         - positions.index_select(0, dst)
     )
     dist2 = (vec * vec).sum(dim=1)

@@ -39,9 +39,8 @@ from service.graph.cell_list import (
     COINCIDENT_DISTANCE,
     WINDOW_MARGIN,
     PairList,
-    canonical_order,
+    checked_pairs,
     find_pairs,
-    raise_if_coincident,
     row_times_matrix,
     stable_argsort,
 )
@@ -412,21 +411,16 @@ def _vesin_pairs(structures: Structures, rcut: float, min_distance: float) -> Pa
         dst.append(i.astype(np.int64) + lo)
         src.append(j.astype(np.int64) + lo)
         shifts.append(s.astype(np.int64).reshape(-1, 3))
-    d = torch.from_numpy(np.concatenate(dst))
-    s_ = torch.from_numpy(np.concatenate(src))
-    sh = torch.from_numpy(np.concatenate(shifts))
-    vec = (
-        structures.positions.index_select(0, s_)
-        + row_times_matrix(
-            sh.to(structures.positions.dtype), structures.cells, structures.atom_batch[d]
-        )
-        - structures.positions.index_select(0, d)
+    return checked_pairs(
+        structures.positions,
+        structures.cells,
+        structures.atom_batch,
+        torch.from_numpy(np.concatenate(dst)),
+        torch.from_numpy(np.concatenate(src)),
+        torch.from_numpy(np.concatenate(shifts)),
+        rcut,
+        min_distance,
     )
-    dist2 = (vec * vec).sum(dim=1)
-    identity = torch.zeros_like(d, dtype=torch.bool)
-    raise_if_coincident(dist2, identity, d, s_, sh, structures.atom_batch, min_distance)
-    keep = dist2 <= rcut * rcut
-    return canonical_order(d[keep], s_[keep], sh[keep], n_atoms=structures.n_atoms)
 
 
 def graph_from_pairs(structures: Structures, pairs: PairList) -> Graph:

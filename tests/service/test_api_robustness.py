@@ -3,6 +3,7 @@ read the same way on every route, and the server goes on serving."""
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
 import time
@@ -174,6 +175,24 @@ def test_a_request_head_that_never_completes_is_closed_after_the_keep_alive() ->
             assert c.post("/evaluate", json=doc).status_code == 200
             time.sleep(0.1)  # an idle keep-alive connection within the timeout is reused
             assert c.post("/evaluate", json=doc).status_code == 200
+
+
+def test_a_connection_answered_again_and_again_outlives_the_keep_alive() -> None:
+    """The head deadline starts again after every answer: a client whose requests keep coming
+    within the keep-alive is never cut off, however long it stays."""
+    with short_keep_alive_server(1) as address:
+        conn = http.client.HTTPConnection(*address, timeout=10)
+        try:
+            ports: set[int] = set()
+            started = time.perf_counter()
+            while time.perf_counter() - started < 2.6:
+                conn.request("GET", "/health/live")
+                assert conn.getresponse().read() and conn.sock is not None
+                ports.add(conn.sock.getsockname()[1])
+                time.sleep(0.4)
+            assert len(ports) == 1, ports  # one connection throughout
+        finally:
+            conn.close()
 
 
 def test_an_endless_request_head_is_refused_with_431_before_it_fills_memory(

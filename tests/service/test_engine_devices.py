@@ -149,22 +149,14 @@ def test_a_structure_failing_on_one_device_fails_only_its_request() -> None:
 def test_stop_fails_the_requests_running_on_every_device() -> None:
     lanes = [PairPotential(delay_s=0.3), PairPotential(delay_s=0.3)]
 
-    async def main() -> list[BaseException | Any]:
-        metrics = ServiceMetrics()
-        engine = Engine(
-            [Worker(p, metrics) for p in lanes],
-            BatchLimits(max_batch_atoms=4, inline_max_atoms=0),
-            metrics,
-            rcut=lanes[0].rcut,
-        )
-        await engine.start()
+    async def scenario(engine: Engine) -> list[BaseException | Any]:
         futures = [engine.submit(crystals(1), PROPS) for _ in range(3)]
         while not all(p.calls for p in lanes):
             await asyncio.sleep(0.005)
         await engine.stop()
         return list(await asyncio.gather(*futures, return_exceptions=True))
 
-    outcomes = asyncio.run(main())
+    outcomes = run_lanes(lanes, scenario, max_batch_atoms=4)
     assert all(isinstance(o, EngineClosedError) for o in outcomes), outcomes
 
 

@@ -172,15 +172,7 @@ def test_a_request_cancelled_while_its_parts_run_on_two_devices() -> None:
 def test_stop_while_a_request_runs_on_two_devices_fails_it_once() -> None:
     lanes = [PairPotential(delay_s=0.2), PairPotential(delay_s=0.2)]
 
-    async def main() -> tuple[BaseException | None, list[tuple[int, int]]]:
-        metrics = ServiceMetrics()
-        engine = Engine(
-            [Worker(p, metrics) for p in lanes],
-            BatchLimits(max_batch_atoms=8, inline_max_atoms=0),
-            metrics,
-            rcut=lanes[0].rcut,
-        )
-        await engine.start()
+    async def scenario(engine: Engine) -> tuple[BaseException | None, list[tuple[int, int]]]:
         future = engine.submit(crystals(6), PROPS)
         while not all(p.calls for p in lanes):
             await asyncio.sleep(0.002)
@@ -188,6 +180,6 @@ def test_stop_while_a_request_runs_on_two_devices_fails_it_once() -> None:
         await asyncio.sleep(0.01)
         return future.exception(), [call for p in lanes for call in p.calls]
 
-    error, calls = asyncio.run(main())
+    error, calls = run_lanes(lanes, scenario, max_batch_atoms=8)
     assert isinstance(error, EngineClosedError)
     assert calls == [(2, 8), (2, 8)]  # the queued third part never ran
