@@ -258,6 +258,7 @@ class _EngineBackend:
     async def _running(self) -> Engine:
         if self._engine is None:
             from service.engine import BatchLimits, Engine, ServiceMetrics, Worker
+            from service.engine.evaluator import model_elements
 
             metrics = ServiceMetrics()
             info = self._evaluators[0].info()
@@ -265,7 +266,13 @@ class _EngineBackend:
             # the event loop: every pass goes to a device thread.
             limits = BatchLimits(max_atoms=2**31 - 1, inline_max_atoms=0)
             workers = [Worker(e, metrics) for e in self._evaluators]
-            self._engine = Engine(workers, limits, metrics, rcut=float(info["rcut"]))
+            self._engine = Engine(
+                workers,
+                limits,
+                metrics,
+                rcut=float(info["rcut"]),
+                elements=model_elements(info),
+            )
             await self._engine.start()
         return self._engine
 

@@ -18,7 +18,6 @@ from contextlib import asynccontextmanager, contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from ase.data import atomic_numbers
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
@@ -32,6 +31,7 @@ from service.api.routes import api_router, health_router
 from service.api.schemas import ErrorResponse, EvaluateRequest, EvaluateResponse
 from service.api.settings import ServiceSettings
 from service.engine import BatchLimits, Engine, Evaluator, ServiceMetrics, Worker
+from service.engine.evaluator import model_elements
 from service.engine.profiling import PassProfiler, ProfileRequest
 
 log = logging.getLogger("so2serve.api")
@@ -134,17 +134,13 @@ def refuses_coincident_atoms(evaluator: Evaluator) -> bool:
     return isinstance(evaluator, Potential)
 
 
-def _element_numbers(info: dict[str, Any]) -> list[int]:
-    return [atomic_numbers[s] if isinstance(s, str) else int(s) for s in info["elements"]]
-
-
 async def _start(state: ServiceState, evaluators: Sequence[Evaluator] | None) -> None:
     started = time.perf_counter()
     if not evaluators:
         evaluators = await asyncio.to_thread(load_evaluators, state.settings)
     evaluator = evaluators[0]
     info = dict(evaluator.info())
-    elements = _element_numbers(info)
+    elements = model_elements(info)
     execution = evaluator.execution
     engine = Engine(
         [Worker(e, state.metrics) for e in evaluators],

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any, Protocol
 
+from ase.data import atomic_numbers
 from torch import Tensor
 
 from service.graph.structures import Structures
@@ -60,3 +61,8 @@ class Evaluator(Protocol):
         ...
 
     def info(self) -> Mapping[str, Any]: ...
+
+
+def model_elements(info: Mapping[str, Any]) -> list[int]:
+    """Atomic numbers of the elements an evaluator's ``info()`` lists (symbols or numbers)."""
+    return [atomic_numbers[s] if isinstance(s, str) else int(s) for s in info["elements"]]
