@@ -4,9 +4,17 @@
 # instead of resolving a multi-GB CUDA build; an existing .venv with torch 2.11-2.13 keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=""
-[ "${1:-}" = "--dev" ] && extras="[dev]"
+case "${1:-}" in
+  "") extras="" ;;
+  --dev) extras="[dev]" ;;
+  *) echo "usage: $0 [--dev]" >&2; exit 2 ;;
+esac
 if [ ! -x .venv/bin/python ]; then
+  # Checked here: pip would only refuse the package after installing torch.
+  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "setup.sh: so2serve needs Python >= 3.11 as python3, found $(python3 --version 2>&1)" >&2
+    exit 1
+  fi
   python3 -m venv .venv
 fi
 py=.venv/bin/python
