@@ -16,8 +16,9 @@
 * Failures: transient ones (connection, 502/503/504) are retried with exponential backoff; a
   structure the service rejects (422/413/507/500) is recorded as failed and the rest of its
   batch is resubmitted, so one bad structure costs nothing else; its row's message is about it
-  alone (no place in a batch). Authentication and addressing errors (401/403/404/415) abort
-  the run.
+  alone (no place in a batch). Authentication and addressing errors (401/403/404/415, 501
+  from a server that takes no POST) abort the run, and so does a service that stays
+  unreachable through every retry (no structure's fault: the same command resumes the run).
 * Resume: every finished structure is appended to ``results.extxyz`` and flushed, then
   journalled with the byte offset where its frame ends. On restart the journal is read, the
   extxyz is cut back to the last journalled frame (dropping a frame half-written when the run
@@ -79,7 +80,8 @@ SUMMARY_FILE = "summary.csv"
 JOURNAL_FILE = "journal.jsonl"
 
 _TRANSIENT_STATUS = frozenset((502, 503, 504))
-_FATAL_STATUS = frozenset((401, 403, 404, 405, 415))
+_FATAL_STATUS = frozenset((401, 403, 404, 405, 415, 501))  # 501: a server without POST
+_NO_CONNECTION = (httpx.ConnectError, httpx.ConnectTimeout)
 _STRUCTURE_FIELD = re.compile(r"^structures\[(\d+)\]")
 
 
@@ -201,6 +203,13 @@ class _HttpBackend:
                     "/evaluate", content=body, headers={"Content-Type": "application/msgpack"}
                 )
             except httpx.TransportError as exc:
+                if attempt == retries and isinstance(exc, _NO_CONNECTION):
+                    # No structure's fault, and every other batch would go the same way.
+                    raise ScreenAborted(
+                        f"so2serve at {self._options.url} unreachable after {retries} retries "
+                        f"({type(exc).__name__}: {exc}); run the same command again to resume "
+                        "once it is up"
+                    ) from None
                 if attempt == retries:
                     raise _GaveUp("unreachable", f"{type(exc).__name__}: {exc}") from exc
                 await asyncio.sleep(retry_delay(attempt, self._options.backoff_s, None))

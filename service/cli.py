@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import errno
+import math
+import socket
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 import typer
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 from rich.console import Console
 from rich.markup import escape
+
+if TYPE_CHECKING:
+    from service.api.settings import ServiceSettings
+    from service.engine import Evaluator
 
 app = typer.Typer(
     name="so2serve",
@@ -20,11 +28,24 @@ app = typer.Typer(
 _err = Console(stderr=True)
 
 
+_MESSAGE_CHARS = 600
+
+
 def _fail(message: str, code: int = 2) -> typer.Exit:
     # Escaped: messages carry paths and fields like "structures[2]" that rich reads as markup.
-    # One unwrapped line, so that logs and grep see the whole message.
-    _err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    # One unwrapped line, so that logs and grep see the whole message: whitespace runs (an
+    # HTML page quoted from another web server) become one space, and a page is cut short.
+    line = " ".join(message.split())
+    if len(line) > _MESSAGE_CHARS:
+        line = line[: _MESSAGE_CHARS - 1] + "…"
+    _err.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
     return typer.Exit(code)
+
+
+def _positive(value: float) -> float:
+    if not 0 < value < math.inf:  # nan too
+        raise typer.BadParameter(f"must be a number above 0, got {value}")
+    return value
 
 
 def _print_json(document: Any) -> None:
@@ -97,19 +118,70 @@ def serve(
         "insecure": insecure or None,
         "warm_up": False if no_warm_up else None,
     }
+    flags = {k: v for k, v in given.items() if v is not None}
     try:
-        settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})
+        settings = ServiceSettings(**flags)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
-        )
-        raise _fail(problems) from None
-    run_service(settings)
+        raise _fail("; ".join(_setting_problem(e, flags) for e in exc.errors())) from None
+    _check_can_listen(settings.host, settings.port)  # before the model loads and warms up
+    run_service(settings, _load_models(settings))
+
+
+_FLAG_NAMES = {"execution": "--path", "warm_up": "--no-warm-up"}
+
+
+def _setting_problem(error: ErrorDetails, flags: dict[str, Any]) -> str:
+    """One pydantic error about a setting, named the way the user gave it: the flag, or the
+    ``SO2SERVE_*`` variable with its value (else nothing says which of the two is wrong)."""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if not error["loc"]:  # a check across settings: its message names them
+        return message
+    field = str(error["loc"][0])
+    if field in flags:
+        return f"{_FLAG_NAMES.get(field, '--' + field.replace('_', '-'))}: {message}"
+    value = "" if field == "api_key" else f"={error['input']!r}"  # a secret stays off logs
+    return f"SO2SERVE_{field.upper()}{value}: {message}"
+
+
+def _load_models(settings: ServiceSettings) -> list[Evaluator]:
+    """The model on each device, or the reason it cannot be (a file that is no model, a device
+    this machine lacks, a precision or path the model cannot run) as a one-line error."""
+    from service.api.app import load_evaluators
+    from service.model.errors import ModelFileError
+
+    try:
+        return load_evaluators(settings)
+    except (ModelFileError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Refuse a port in use (or a host that is no address here) before the model loads and
+    warms up, as uvicorn would only after that: bind each address as asyncio's server does
+    (SO_REUSEADDR, IPv6 sockets v6-only), then let go."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                try:
+                    probe.bind(address)
+                except OSError as exc:
+                    if exc.errno != errno.EADDRNOTAVAIL:  # asyncio skips a disabled family
+                        raise
+    except OSError as exc:
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise _fail(f"cannot listen on {host}:{port}: {reason or exc}") from None
 
 
 @app.command()
 def screen(
-    inputs: Annotated[list[Path], typer.Argument(help="structure files (any ASE format)")],
+    inputs: Annotated[
+        list[Path],
+        typer.Argument(exists=True, dir_okay=False, help="structure files (any ASE format)"),
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="output folder")] = Path("screen-out"),
     url: Annotated[str | None, typer.Option(help="service URL; without it: in process")] = None,
     model: Annotated[
@@ -123,7 +195,7 @@ def screen(
     batch_atoms: Annotated[int, typer.Option(min=1, help="atoms per request")] = 4096,
     batch_structures: Annotated[int, typer.Option(min=1, help="structures per request")] = 64,
     retries: Annotated[int, typer.Option(min=0, help="retries of transient failures")] = 4,
-    timeout: Annotated[float, typer.Option(help="seconds per request")] = 600.0,
+    timeout: Annotated[float, typer.Option(callback=_positive, help="seconds per request")] = 600.0,
     retry_failed: Annotated[
         bool, typer.Option(help="re-run structures that failed before")
     ] = False,
@@ -155,10 +227,13 @@ def screen(
         report = run_screen(inputs, options)
     except (ScreenAborted, ModelFileError, ModelConfigError, OSError) as exc:
         raise _fail(str(exc)) from None
+    except KeyboardInterrupt:  # 128 + SIGINT, as a shell reports it
+        raise _fail("interrupted: run the same command again to resume", code=130) from None
     _err.print(
         f"{report.total} structures: {report.succeeded} evaluated, {report.failed} failed, "
         f"{report.skipped} already done, in {report.seconds:.1f} s → "
-        f"{escape(str(report.output))}, {escape(str(report.summary))}"
+        f"{escape(str(report.output))}, {escape(str(report.summary))}",
+        soft_wrap=True,
     )
 
 
@@ -202,10 +277,16 @@ def import_deepmd(
     from service.model.deepmd_import import import_deepmd_checkpoint
     from service.model.errors import ModelFileError, UnsupportedCheckpointError
 
+    if output.is_dir():  # refused before converting: the rename onto it would fail at the end
+        raise _fail(
+            f"{output} is a folder: give the model file to write, e.g. {output}/model.safetensors"
+        )
     try:
         config = import_deepmd_checkpoint(checkpoint, output)
     except (ModelFileError, UnsupportedCheckpointError, FileNotFoundError) as exc:
         raise _fail(str(exc)) from None
+    except OSError as exc:  # the checkpoint was read: writing the model file failed
+        raise _fail(f"cannot write {output}: {exc}") from None
     _err.print(f"wrote {escape(str(output))} ({', '.join(config.type_map)}; rcut {config.rcut} Å)")
 
 

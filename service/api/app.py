@@ -317,14 +317,16 @@ def _as_list(evaluator: Evaluator | Sequence[Evaluator]) -> list[Evaluator]:
     return list(evaluator) if isinstance(evaluator, Sequence) else [evaluator]
 
 
-def serve(settings: ServiceSettings) -> None:
-    """Run the service with uvicorn until interrupted (the ``so2serve serve`` command)."""
+def serve(settings: ServiceSettings, evaluators: Sequence[Evaluator] | None = None) -> None:
+    """Run the service with uvicorn until interrupted (the ``so2serve serve`` command, which
+    loads ``evaluators`` first: a model that does not load is its error, not a traceback from
+    the app's start-up)."""
     import uvicorn
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(create_app(settings), **uvicorn_options(settings))
+    uvicorn.run(create_app(settings, evaluators), **uvicorn_options(settings))
 
 
 def uvicorn_options(settings: ServiceSettings) -> dict[str, Any]:

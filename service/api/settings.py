@@ -30,7 +30,10 @@ def is_loopback(host: str) -> bool:
 class ServiceSettings(BaseSettings):
     """Everything ``so2serve serve`` can be told."""
 
-    model_config = SettingsConfigDict(env_prefix="SO2SERVE_", extra="forbid", frozen=True)
+    # No inf/nan: an infinite body limit or batching window would break every request.
+    model_config = SettingsConfigDict(
+        env_prefix="SO2SERVE_", extra="forbid", frozen=True, allow_inf_nan=False
+    )
 
     model: Path | None = Field(
         default=None, description="model file; None = the shipped default model"

@@ -15,10 +15,10 @@ from typing import Annotated
 import typer
 
 from service.model.errors import ModelConfigError, ModelFileError
-from service.training.config import ConfigError, load_config
+from service.training.config import ConfigError, TrainConfig, load_config
 from service.training.data import DataError
 from service.training.evaluate import evaluate_model
-from service.training.loop import TrainResult, train
+from service.training.loop import CHECKPOINT_NAME, TrainResult, train
 
 __all__ = ["eval_command", "train_command"]
 
@@ -55,10 +55,15 @@ def train_command(
     if output_dir is not None:
         overrides.append(f"run.output_dir={json.dumps(str(output_dir))}")
     try:
-        result = train(load_config(config, overrides))
+        run_config = load_config(config, overrides)
+    except ConfigError as exc:
+        raise _error(str(exc)) from exc
+    try:
+        result = train(run_config)
     except (ConfigError, DataError, ModelConfigError, ModelFileError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from exc
+        raise _error(str(exc)) from exc
+    except KeyboardInterrupt:  # 128 + SIGINT, as a shell reports it
+        raise _error(f"interrupted; {_resumable(run_config)}", code=130) from None
     typer.echo(
         json.dumps(
             {
@@ -76,6 +81,19 @@ def train_command(
         )
     )
     return result
+
+
+def _error(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=code)
+
+
+def _resumable(config: TrainConfig) -> str:
+    """What ``--resume`` would continue from after an interrupted run."""
+    checkpoint = Path(config.run.output_dir) / CHECKPOINT_NAME
+    if checkpoint.is_file():
+        return f"--resume continues from {checkpoint}"
+    return f"no checkpoint in {checkpoint.parent} yet (one every run.checkpoint_every steps)"
 
 
 def eval_command(
@@ -121,8 +139,7 @@ def eval_command(
             type_map=None if type_map is None else _split_symbols(type_map),
         )
     except (DataError, ModelFileError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from exc
+        raise _error(str(exc)) from exc
     typer.echo(report.to_json())
 
 
