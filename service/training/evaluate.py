@@ -187,6 +187,12 @@ def evaluate_model(
             _check_output_file(output, what)
     potential = load_potential(model, device=device, path=path, precision=precision)
     dataset = load_dataset(list(data), type_map=type_map or potential.config.type_map)
+    if all(f.energy is None and f.forces is None and f.virial is None for f in dataset):
+        raise DataError(
+            ", ".join(dataset.sources),
+            "no reference energy, forces or virial to compare with (to compute them for "
+            "unlabelled structures, use `so2serve screen`)",
+        )
     for source, frames in dataset.by_source().items():
         unknown = sorted(set(frames.elements) - set(potential.config.type_map))
         if unknown:

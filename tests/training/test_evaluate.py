@@ -154,3 +154,14 @@ def test_non_positive_batch_size_is_refused(tmp_path: Path) -> None:
     system = write_water_system(tmp_path / "a", 1, molecules=3, periodic=True)
     with pytest.raises(ValueError, match="batch size"):
         evaluate_model(tmp_path / "no_model.safetensors", [system], batch_size=0)
+
+
+def test_data_without_any_reference_is_refused(tmp_path: Path) -> None:
+    """Structures with no reference energy, forces or virial leave nothing to compare: a clear
+    error (it was an empty report and exit 0)."""
+    from service.training.data import DataError
+
+    bare = tmp_path / "bare.extxyz"
+    write(bare, [Atoms("OH2", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]])])
+    with pytest.raises(DataError, match="no reference energy, forces or virial"):
+        evaluate_model(None, [bare], device="cpu")
