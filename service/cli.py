@@ -207,8 +207,11 @@ def screen(
     from clients.screen import screen as run_screen
     from service.model.errors import ModelConfigError, ModelFileError
 
-    if url is not None and model is not None:
-        raise _fail("give --url (a running service) or --model (in process), not both")
+    if url is not None and (model is not None or device != "auto"):
+        raise _fail(
+            "give --url (a running service) or --model/--device (in process), not both: the "
+            "service runs on the devices it was started with"
+        )
     options = ScreenOptions(
         output_dir=out,
         url=url,

@@ -149,7 +149,7 @@ def _read_checkpoint(src: Path) -> dict[str, Any]:
         ckpt = torch.load(src, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for truncated or non-torch files
         raise UnsupportedCheckpointError(
-            f"cannot read {src} as a DeePMD checkpoint: {exc}"
+            f"cannot read {src} as a DeePMD checkpoint: {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(ckpt, dict):
         raise UnsupportedCheckpointError(f"{src}: top level is not a dict")

@@ -100,8 +100,12 @@ def save_model(
     # Written beside the target and renamed over it, so a reader (or a crash) never meets half a
     # file; plain write_bytes also honours the umask, where safetensors' save_file makes 0600.
     partial = target.with_name(target.name + ".partial")
-    partial.write_bytes(payload)
-    os.replace(partial, target)
+    try:
+        partial.write_bytes(payload)
+        os.replace(partial, target)
+    except OSError:
+        partial.unlink(missing_ok=True)  # a failed save leaves nothing behind
+        raise
     return model_digest
 
 

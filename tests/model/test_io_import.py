@@ -142,7 +142,8 @@ def test_unsupported_options_are_refused(
 def test_unreadable_checkpoints_are_refused(tmp_path: Path) -> None:
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
-    with pytest.raises(UnsupportedCheckpointError):
+    # The reason names torch's error type ("...: 101" alone said nothing).
+    with pytest.raises(UnsupportedCheckpointError, match=r"checkpoint: \w+Error: "):
         load_deepmd_checkpoint(junk)
     empty = tmp_path / "empty.pt"
     torch.save({"model": {"x": torch.zeros(1)}}, empty)
@@ -154,3 +155,13 @@ def test_unreadable_checkpoints_are_refused(tmp_path: Path) -> None:
     torch.save(ckpt, extra)
     with pytest.raises(UnsupportedCheckpointError, match="mystery"):
         load_deepmd_checkpoint(extra)
+
+
+def test_a_failed_save_leaves_no_partial_file(tmp_path: Path) -> None:
+    """The file is written beside the target and renamed over it; when the rename fails (the
+    target is a folder) neither a half file nor the ``.partial`` copy stays behind."""
+    target = tmp_path / "model.safetensors"
+    target.mkdir()
+    with pytest.raises(OSError):
+        save_model(DPA4Model(preset("tiny", ["H", "O"])), target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

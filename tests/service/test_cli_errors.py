@@ -191,6 +191,17 @@ def test_screen_rejects_a_timeout_that_is_not_positive(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("in_process", [["--model", "m.safetensors"], ["--device", "cuda:0"]])
+def test_screen_refuses_in_process_options_with_a_url(
+    water: Path, tmp_path: Path, in_process: list[str]
+) -> None:
+    """``--device`` with ``--url`` was silently ignored: the service runs where it was started."""
+    out = tmp_path / "out"
+    args = ["screen", str(water), "-o", str(out), "--url", "http://127.0.0.1:9", *in_process]
+    assert_one_line_error(CliRunner().invoke(app, args), "not both")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(("name", "reason"), [("missing.extxyz", "does not exist"),
                                               (".", "is a directory")])  # fmt: skip
 def test_screen_rejects_an_input_that_is_no_file(tmp_path: Path, name: str, reason: str) -> None:
