@@ -698,10 +698,10 @@ def _backend(options: ScreenOptions, evaluator: Evaluator | None) -> _Backend:
         return _EngineBackend([evaluator])
     if options.url is not None:
         return _HttpBackend(options)
-    from service.model.potential import load_potential, resolve_devices
+    from service.model.potential import load_potentials, resolve_devices
 
     try:  # a device this machine lacks aborts the run (the model file is not at fault)
-        devices = resolve_devices(options.device)
+        resolve_devices(options.device)
     except ValueError as exc:
         raise ScreenAborted(str(exc)) from None
-    return _EngineBackend([load_potential(options.model, device=d) for d in devices])
+    return _EngineBackend(load_potentials(options.model, devices=options.device))

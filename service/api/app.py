@@ -80,14 +80,16 @@ def server_version() -> str:
 def load_evaluators(settings: ServiceSettings) -> list[Evaluator]:
     """The model named by the settings (the shipped default when none), one copy on each of
     its devices."""
-    from service.model.potential import load_potential, resolve_devices
+    from service.model.potential import load_potentials
 
-    return [
-        load_potential(
-            settings.model, device=device, path=settings.execution, precision=settings.precision
+    return list(
+        load_potentials(
+            settings.model,
+            devices=settings.device,
+            path=settings.execution,
+            precision=settings.precision,
         )
-        for device in resolve_devices(settings.device)
-    ]
+    )
 
 
 def batch_limits(settings: ServiceSettings, device: str) -> BatchLimits:

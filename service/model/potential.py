@@ -27,6 +27,7 @@ and reported in :class:`ExecutionInfo` (hence in ``/info`` and every response's 
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
@@ -525,6 +526,39 @@ def load_potential(
     capture: bool | None = None,
 ) -> Potential:
     """Load a model file (``None`` = the shipped default) into a :class:`Potential`."""
+    net, meta = _read_model_file(model)
+    return Potential(
+        net, device=device, path=path, precision=precision, metadata=meta, memory=memory,
+        capture=capture,
+    )  # fmt: skip
+
+
+def load_potentials(
+    model: str | Path | None = None,
+    *,
+    devices: str = "auto",
+    path: str = "auto",
+    precision: str = "fp32",
+) -> list[Potential]:
+    """The model file read once and placed on every device ``devices`` names (see
+    :func:`resolve_devices`), one copy each: a service or screening run over several GPUs."""
+    targets = resolve_devices(devices)
+    net, meta = _read_model_file(model)
+    last = len(targets) - 1
+    return [
+        # Placing a model moves it: every device but the last gets a copy of the host one.
+        Potential(
+            net if k == last else copy.deepcopy(net),
+            device=device,
+            path=path,
+            precision=precision,
+            metadata=meta,
+        )
+        for k, device in enumerate(targets)
+    ]
+
+
+def _read_model_file(model: str | Path | None) -> tuple[DPA4Model, PotentialMetadata]:
     from service.model.io import load_model
 
     file = Path(model) if model is not None else default_model_path()
@@ -540,7 +574,4 @@ def load_potential(
         config=net.config,
         provenance=dict(doc.get("provenance", {})),
     )
-    return Potential(
-        net, device=device, path=path, precision=precision, metadata=meta, memory=memory,
-        capture=capture,
-    )  # fmt: skip
+    return net, meta

@@ -53,8 +53,11 @@ def test_in_process_screen_spreads_over_several_devices(
         lanes.append(PairPotential(delay_s=0.01))
         return lanes[-1]
 
+    def fake_models(model: Any, *, devices: str) -> list[PairPotential]:
+        return [fake_model(model, device=d) for d in potential_module.resolve_devices(devices)]
+
     monkeypatch.setattr(potential_module, "resolve_devices", two_devices)
-    monkeypatch.setattr(potential_module, "load_potential", fake_model)
+    monkeypatch.setattr(potential_module, "load_potentials", fake_models)
     frames = [small_molecule("H2O", seed=k) for k in range(24)]
     path = tmp_path / "in.extxyz"
     ase.io.write(path, frames)

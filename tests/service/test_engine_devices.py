@@ -203,6 +203,28 @@ def test_resolve_devices(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_devices("cuda,cuda:1")
 
 
+def test_load_potentials_reads_the_file_once_and_places_a_copy_on_each_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import service.model.io as model_io
+    from service.model.potential import load_potentials
+
+    reads: list[object] = []
+    real_load = model_io.load_model
+    monkeypatch.setattr(model_io, "load_model", lambda path: reads.append(path) or real_load(path))
+    monkeypatch.setattr(
+        "service.model.potential.resolve_devices", lambda spec: [torch.device("cpu")] * 2
+    )
+    first, second = load_potentials(None, devices="cuda:0,cuda:1")
+    assert len(reads) == 1
+    assert first.model is not second.model
+    assert next(first.model.parameters()) is not next(second.model.parameters())
+    request = Structures.from_atoms([small_molecule("H2O")])
+    a, b = (p.predict(request, ("energy", "forces")) for p in (first, second))
+    torch.testing.assert_close(a.energy, b.energy, rtol=0, atol=0)
+    torch.testing.assert_close(a.forces, b.forces, rtol=0, atol=0)
+
+
 def test_resolve_devices_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="CUDA is not available"):
