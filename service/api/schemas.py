@@ -33,13 +33,40 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationInfo,
+    WithJsonSchema,
+)
 
 Property = Literal["energy", "forces", "stress", "energies", "virial"]
 DEFAULT_PROPERTIES: tuple[Property, ...] = ("energy", "forces")
 
+# Validation context key: the document may hold booleans outside ``pbc``. numpy reads a boolean
+# among numbers as 1 (``[[true, 0, 0]]`` would be an atom at x = 1 Å), and looking at every
+# element costs more than the rest of a small request's validation, so the decoder sets this
+# only when it cannot rule booleans out more cheaply (``wire.may_hold_stray_booleans``).
+CHECK_BOOLEANS = "check_booleans"
+_MIXED_SPECIES = "species must be all element symbols or all atomic numbers (integers 1..118)"
 
-def _numeric_array(value: object, what: str) -> object:
+
+def _check_booleans(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get(CHECK_BOOLEANS))
+
+
+def _holds_boolean(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether a list, or a list of lists, holds a boolean."""
+    return any(
+        type(x) is bool
+        for item in items
+        for x in (item if isinstance(item, list | tuple) else (item,))
+    )
+
+
+def _numeric_array(value: object, info: ValidationInfo, what: str) -> object:
     """float64 array of JSON/msgpack numbers (or of a msgpack binary array, already numpy).
     Shapes, ragged nesting included, are checked with the structure
     (``InvalidStructureError``), so that every shape error reads the same."""
@@ -47,20 +74,22 @@ def _numeric_array(value: object, what: str) -> object:
         raw = np.asarray(value)
     except ValueError:
         return value
-    if raw.dtype.kind not in "iuf":
+    if raw.dtype.kind not in "iuf" or (
+        isinstance(value, list) and _check_booleans(info) and _holds_boolean(value)
+    ):
         raise ValueError(f"{what} must contain only numbers")
     return raw.astype(np.float64, copy=False)
 
 
-def _positions(value: object) -> object:
-    return _numeric_array(value, "positions")
+def _positions(value: object, info: ValidationInfo) -> object:
+    return _numeric_array(value, info, "positions")
 
 
-def _cell(value: object) -> object:
-    return _numeric_array(value, "cell")
+def _cell(value: object, info: ValidationInfo) -> object:
+    return _numeric_array(value, info, "cell")
 
 
-def _species(value: object) -> np.ndarray:
+def _species(value: object, info: ValidationInfo) -> np.ndarray:
     """Integer atomic numbers, or a str array of symbols (converted with the structure)."""
     if isinstance(value, np.ndarray):  # a msgpack typed array, integer by its dtype
         if value.ndim == 1:
@@ -72,20 +101,17 @@ def _species(value: object) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     raw = np.asarray(value)
     if raw.dtype.kind == "U" and raw.ndim == 1:
-        if _has_nul(value):
+        try:
+            joined = "".join(value)
+        except TypeError:  # numpy turns [6, "H"] into ["6", "H"]
+            raise ValueError(_MIXED_SPECIES) from None
+        if "\x00" in joined:
             # numpy drops trailing NULs from str elements: "H\x00" would be read as hydrogen.
             raise ValueError("species symbols must not contain NUL characters")
         return raw
-    if raw.dtype.kind in "iu":
+    if raw.dtype.kind in "iu" and not (_check_booleans(info) and _holds_boolean(value)):
         return raw
-    raise ValueError("species must be all element symbols or all atomic numbers (integers 1..118)")
-
-
-def _has_nul(symbols: list[Any] | tuple[Any, ...]) -> bool:
-    try:
-        return "\x00" in "".join(symbols)
-    except TypeError:  # not all strings: an unknown symbol or a mixed list, reported later
-        return False
+    raise ValueError(_MIXED_SPECIES)
 
 
 def _array_schema(depth: int, inner: int | None = None) -> WithJsonSchema:

@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 
 from service.api.errors import ApiError
-from service.api.schemas import EvaluateRequest
+from service.api.schemas import CHECK_BOOLEANS, EvaluateRequest
 from service.engine import EvaluationResult
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import StructureArrays, Structures, symbols_to_numbers
@@ -174,7 +174,9 @@ def parse_evaluate(
     ``check_coincident=False`` leaves the coincident-atoms check (about half of the validation
     of a small structure) to a model whose neighbour list refuses such structures itself.
     """
-    request = EvaluateRequest.model_validate(decode(body, fmt))
+    document = decode(body, fmt)
+    context = {CHECK_BOOLEANS: may_hold_stray_booleans(body, fmt, document)}
+    request = EvaluateRequest.model_validate(document, context=context)
     try:
         items = [
             StructureArrays(
@@ -190,6 +192,30 @@ def parse_evaluate(
         # The graph layer calls the species field by its internal name.
         where = (exc.field or "").replace(".numbers", ".species")
         raise InvalidStructureError(exc.code, exc.message, field=where, index=exc.index) from None
+
+
+def may_hold_stray_booleans(body: bytes, fmt: WireFormat, document: Any) -> bool:
+    """Whether a boolean may sit where numbers belong, so that the schema must look at each
+    element. A JSON body whose ``true``/``false`` byte strings are all accounted for by
+    ``pbc`` fields holds no other booleans (a string can only add to the count), which rules
+    them out in microseconds for the usual request. msgpack has no such tell, but its fast
+    form, binary arrays, cannot hold booleans and is not looked at."""
+    if fmt is not WireFormat.JSON:
+        return True
+    literals = body.count(b"true") + body.count(b"false")
+    return literals > 0 and literals != _pbc_booleans(document)
+
+
+def _pbc_booleans(document: Any) -> int:
+    structures = document.get("structures") if isinstance(document, dict) else None
+    if not isinstance(structures, list):
+        return -1
+    count = 0
+    for item in structures:
+        pbc = item.get("pbc") if isinstance(item, dict) else None
+        values = pbc if isinstance(pbc, list) else [pbc]
+        count += sum(type(v) is bool for v in values)
+    return count
 
 
 def _atomic_numbers(species: np.ndarray, index: int) -> np.ndarray:
