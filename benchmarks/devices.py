@@ -1,7 +1,7 @@
 """Throughput of the engine over one GPU against all GPUs of the host (GPU; the lead runs it).
 
     python benchmarks/devices.py [--model FILE] [--sizes 192 1536] [--total-atoms 196608]
-                                 [--precision fp32] [--repeats 3]
+                                 [--precision fp32] [--repeats 3] [--phases engine screen]
 
 A screening workload of water boxes (``--total-atoms`` in structures of each ``--sizes``) goes
 through ``service.engine.Engine`` in this process (no HTTP: what the engine's lanes add is
@@ -10,8 +10,13 @@ large batch), and concurrent requests of 8 structures each (several screening cl
 is timed on ``cuda:0`` alone and on every visible GPU (one model copy and worker thread each,
 one queue), after a warm-up pass per device and one untimed round; medians of ``--repeats``
 rounds, atoms per second, and the speed-up of all GPUs over one. The results of both engines
-are compared (max |ΔE| per atom, max |ΔF|). Raw numbers go to
-``benchmarks/results/devices_<stamp>.json``.
+are compared (max |ΔE| per atom, max |ΔF|).
+
+The ``screen`` phase times what a user runs: ``so2serve screen`` (``clients.screen.screen``,
+extxyz in, extxyz and journal out) over the same workload, through a server started with
+``--device cuda:0`` and with ``--device cuda:all``, and in process with the same two devices,
+at ``--screen-concurrency`` requests in flight. The first run of each setting is untimed.
+Raw numbers go to ``benchmarks/results/devices_<stamp>.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,9 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 from ase import Atoms
+from ase.io import write
 
 from benchmarks.common import write_results
-from benchmarks.service import model_file, water_atoms
+from benchmarks.service import free_port, model_file, start_server, water_atoms
+from clients.screen import ScreenOptions, screen
 from service.engine import BatchLimits, Engine, EvaluationResult, ServiceMetrics, Worker
 from service.graph.structures import Structures
 from service.model.potential import Potential, load_potential
@@ -119,6 +127,65 @@ def run_case(
     return row
 
 
+def _timed_screens(inputs: Path, workdir: Path, repeats: int, **options: Any) -> list[float]:
+    """Seconds of ``repeats`` screening runs into fresh output folders, after an untimed one."""
+    seconds: list[float] = []
+    for k in range(repeats + 1):
+        report = screen([inputs], ScreenOptions(workdir / f"out{k}", progress=False, **options))
+        if report.failed or report.succeeded != report.total:
+            raise RuntimeError(f"screening failed: {report}")
+        if k:
+            seconds.append(report.seconds)
+    return seconds
+
+
+def screen_case(
+    model: Path, atoms: list[Atoms], devices: list[str], repeats: int, concurrency: int
+) -> dict[str, Any]:
+    n_atoms = sum(len(a) for a in atoms)
+    row: dict[str, Any] = {
+        "shape": "screen",
+        "structure_atoms": len(atoms[0]),
+        "structures": len(atoms),
+        "atoms": n_atoms,
+        "concurrency": concurrency,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        inputs = workdir / "inputs.extxyz"
+        write(inputs, atoms, format="extxyz")
+        for label, device in zip(("one_gpu", "all_gpus"), devices, strict=True):
+            port = free_port()
+            server = start_server(model, device, port, window_ms=None, switch_ms=None)
+            try:
+                http = _timed_screens(
+                    inputs, workdir / f"http_{label}", repeats,
+                    url=f"http://127.0.0.1:{port}", concurrency=concurrency,
+                )  # fmt: skip
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+            local = _timed_screens(
+                inputs, workdir / f"local_{label}", repeats,
+                model=model, device=device, concurrency=concurrency,
+            )  # fmt: skip
+            for where, seconds in (("http", http), ("in_process", local)):
+                median = statistics.median(seconds)
+                row[f"{where}_{label}_s"] = median
+                row[f"{where}_{label}_atoms_per_s"] = n_atoms / median
+                row[f"{where}_{label}_rounds_s"] = seconds
+    for where in ("http", "in_process"):
+        row[f"{where}_speedup"] = row[f"{where}_one_gpu_s"] / row[f"{where}_all_gpus_s"]
+    row["http_over_in_process_all_gpus"] = row["http_all_gpus_s"] / row["in_process_all_gpus_s"]
+    print(
+        f"screen       {len(atoms[0]):5d} atoms × {len(atoms):4d}: HTTP 1 GPU "
+        f"{row['http_one_gpu_s']:.2f} s, all {row['http_all_gpus_s']:.2f} s "
+        f"({row['http_speedup']:.2f}×); in process 1 GPU {row['in_process_one_gpu_s']:.2f} s, "
+        f"all {row['in_process_all_gpus_s']:.2f} s ({row['in_process_speedup']:.2f}×)"
+    )
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model file (default: shipped)")
@@ -127,23 +194,39 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16x3"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--phases", nargs="+", default=["engine", "screen"])
+    parser.add_argument("--screen-concurrency", type=int, default=8)
     args = parser.parse_args()
     n_gpus = torch.cuda.device_count()
     if n_gpus < 2:
         raise SystemExit(f"needs two or more CUDA devices, found {n_gpus}")
     path = model_file(args.model, ROOT / "runs")
-    potentials = [
-        load_potential(path, device=f"cuda:{k}", precision=args.precision) for k in range(n_gpus)
-    ]
     rows: list[dict[str, Any]] = []
     out: Path | None = None
-    for size in args.sizes:
-        atoms = workload(size, args.total_atoms)
-        for shape in ("one_request", "concurrent"):
-            rows.append(run_case(potentials, atoms, shape, args.repeats))
-            out = write_results(
-                args.out, "devices", rows, out, gpus=n_gpus, precision=args.precision
-            )
+
+    def save(row: dict[str, Any]) -> None:
+        nonlocal out
+        rows.append(row)
+        out = write_results(args.out, "devices", rows, out, gpus=n_gpus, precision=args.precision)
+
+    if "engine" in args.phases:
+        potentials = [
+            load_potential(path, device=f"cuda:{k}", precision=args.precision)
+            for k in range(n_gpus)
+        ]
+        for size in args.sizes:
+            atoms = workload(size, args.total_atoms)
+            for shape in ("one_request", "concurrent"):
+                save(run_case(potentials, atoms, shape, args.repeats))
+        del potentials
+        torch.cuda.empty_cache()
+    if "screen" in args.phases:
+        if args.precision != "fp32":
+            raise SystemExit("the screen phase runs the served default precision (fp32) only")
+        for size in args.sizes:
+            atoms = workload(size, args.total_atoms)
+            devices = ["cuda:0", "cuda:all"]
+            save(screen_case(path, atoms, devices, args.repeats, args.screen_concurrency))
 
 
 if __name__ == "__main__":

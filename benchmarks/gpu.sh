@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh sweep-rest|sweep-exact|grid-stack-fast|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|devices|sweep-rest|sweep-exact|grid-stack-fast|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -31,6 +31,15 @@ run() {
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$log"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$log"
 case "$topic" in
+  tests-kernels)  # every kernel gpu test (run beside tests-rest on a second GPU: gpu_many.sh)
+    STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu tests/kernels
+    ;;
+  tests-rest)  # every other gpu test (graph, model, service, clients, training)
+    STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu tests/graph tests/model tests/service tests/clients tests/training
+    ;;
+  devices)  # every visible GPU behind one queue: the engine, then so2serve screen over HTTP and in process
+    STEP_S=${DEVICES_S:-300} run python3 benchmarks/devices.py "$@"
+    ;;
   kernels)
     run python3 -m pytest -q -m "gpu and not slow" tests/kernels -x
     run python3 benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 128,3,1,1 --compare-variants
