@@ -12,10 +12,12 @@ one queue), after a warm-up pass per device and one untimed round; medians of ``
 rounds, atoms per second, and the speed-up of all GPUs over one. The results of both engines
 are compared (max |ΔE| per atom, max |ΔF|).
 
-The ``screen`` phase times what a user runs: ``so2serve screen`` (``clients.screen.screen``,
-extxyz in, extxyz and journal out) over the same workload, through a server started with
-``--device cuda:0`` and with ``--device cuda:all``, and in process with the same two devices,
-at ``--screen-concurrency`` requests in flight. The first run of each setting is untimed.
+The ``screen`` phase times what a user runs, ``so2serve screen`` (extxyz in, extxyz and
+journal out, a process per run), over the same workload: through a server started with
+``--device cuda:0`` and with ``--device cuda:all``, and in process on the same devices (model
+loading included, as a user waits for it), at ``--screen-concurrency`` requests in flight,
+with the result frames written in the screening process and by worker processes, alternated.
+The first run of each setting is untimed.
 Raw numbers go to ``benchmarks/results/devices_<stamp>.json``.
 """
 
@@ -23,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +41,7 @@ from ase.io import write
 
 from benchmarks.common import write_results
 from benchmarks.service import free_port, model_file, start_server, water_atoms
-from clients.screen import ScreenOptions, screen
+from clients.screen import default_format_processes
 from service.engine import BatchLimits, Engine, EvaluationResult, ServiceMetrics, Worker
 from service.graph.structures import Structures
 from service.model.potential import Potential, load_potential
@@ -127,61 +132,83 @@ def run_case(
     return row
 
 
-def _timed_screens(inputs: Path, workdir: Path, repeats: int, **options: Any) -> list[float]:
-    """Seconds of ``repeats`` screening runs into fresh output folders, after an untimed one."""
+_SCREEN_SECONDS = re.compile(r" in ([0-9.]+) s → ")
+
+
+def _timed_screens(inputs: Path, workdir: Path, runs: list[int], *flags: str) -> list[float]:
+    """Seconds of one ``so2serve screen`` run per entry of ``runs`` (its
+    ``--format-processes``), each into a fresh output folder, as the command reports them
+    (reading to summary; the interpreter's start and imports are not counted). A subprocess
+    each: the frame writers are spawned, and would import this script's torch."""
     seconds: list[float] = []
-    for k in range(repeats + 1):
-        report = screen([inputs], ScreenOptions(workdir / f"out{k}", progress=False, **options))
-        if report.failed or report.succeeded != report.total:
-            raise RuntimeError(f"screening failed: {report}")
-        if k:
-            seconds.append(report.seconds)
+    for k, processes in enumerate(runs):
+        command = [
+            sys.executable, "-m", "service.cli", "screen", str(inputs),
+            "--out", str(workdir / f"out{k}"), "--no-progress",
+            "--format-processes", str(processes), *flags,
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
+        found = _SCREEN_SECONDS.search(done.stderr)
+        if done.returncode or found is None or " 0 failed" not in done.stderr:
+            raise RuntimeError(f"screening failed ({done.returncode}): {done.stderr[-2000:]}")
+        seconds.append(float(found.group(1)))
     return seconds
 
 
 def screen_case(
     model: Path, atoms: list[Atoms], devices: list[str], repeats: int, concurrency: int
 ) -> dict[str, Any]:
+    """``so2serve screen`` over HTTP (a server per device setting), then in process, each with
+    its result frames written in this process and by ``default_format_processes()`` workers,
+    alternated after an untimed run."""
     n_atoms = sum(len(a) for a in atoms)
+    writers = default_format_processes()
     row: dict[str, Any] = {
         "shape": "screen",
         "structure_atoms": len(atoms[0]),
         "structures": len(atoms),
         "atoms": n_atoms,
         "concurrency": concurrency,
+        "format_processes": writers,
     }
+    runs = [writers] + [0, writers] * repeats
+    labels = list(zip(("one_gpu", "all_gpus"), devices, strict=True))
+    timed: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         inputs = workdir / "inputs.extxyz"
         write(inputs, atoms, format="extxyz")
-        for label, device in zip(("one_gpu", "all_gpus"), devices, strict=True):
+        for label, device in labels:
             port = free_port()
             server = start_server(model, device, port, window_ms=None, switch_ms=None)
             try:
-                http = _timed_screens(
-                    inputs, workdir / f"http_{label}", repeats,
-                    url=f"http://127.0.0.1:{port}", concurrency=concurrency,
+                timed[f"http_{label}"] = _timed_screens(
+                    inputs, workdir / f"http_{label}", runs,
+                    "--url", f"http://127.0.0.1:{port}", "--concurrency", str(concurrency),
                 )  # fmt: skip
             finally:
                 server.terminate()
                 server.wait(timeout=60)
-            local = _timed_screens(
-                inputs, workdir / f"local_{label}", repeats,
-                model=model, device=device, concurrency=concurrency,
+        for label, device in labels:
+            timed[f"in_process_{label}"] = _timed_screens(
+                inputs, workdir / f"local_{label}", runs,
+                "--model", str(model), "--device", device, "--concurrency", str(concurrency),
             )  # fmt: skip
-            for where, seconds in (("http", http), ("in_process", local)):
-                median = statistics.median(seconds)
-                row[f"{where}_{label}_s"] = median
-                row[f"{where}_{label}_atoms_per_s"] = n_atoms / median
-                row[f"{where}_{label}_rounds_s"] = seconds
+    for key, seconds in timed.items():
+        for variant, picked in (("inline", seconds[1::2]), ("pool", seconds[2::2])):
+            median = statistics.median(picked)
+            row[f"{key}_{variant}_s"] = median
+            row[f"{key}_{variant}_atoms_per_s"] = n_atoms / median
+        row[f"{key}_rounds_s"] = seconds
     for where in ("http", "in_process"):
-        row[f"{where}_speedup"] = row[f"{where}_one_gpu_s"] / row[f"{where}_all_gpus_s"]
-    row["http_over_in_process_all_gpus"] = row["http_all_gpus_s"] / row["in_process_all_gpus_s"]
+        row[f"{where}_speedup"] = row[f"{where}_one_gpu_pool_s"] / row[f"{where}_all_gpus_pool_s"]
     print(
-        f"screen       {len(atoms[0]):5d} atoms × {len(atoms):4d}: HTTP 1 GPU "
-        f"{row['http_one_gpu_s']:.2f} s, all {row['http_all_gpus_s']:.2f} s "
-        f"({row['http_speedup']:.2f}×); in process 1 GPU {row['in_process_one_gpu_s']:.2f} s, "
-        f"all {row['in_process_all_gpus_s']:.2f} s ({row['in_process_speedup']:.2f}×)"
+        f"screen       {len(atoms[0]):5d} atoms × {len(atoms):4d}, frames written here / by "
+        f"{writers} processes: HTTP 1 GPU {row['http_one_gpu_inline_s']:.2f} / "
+        f"{row['http_one_gpu_pool_s']:.2f} s, all {row['http_all_gpus_inline_s']:.2f} / "
+        f"{row['http_all_gpus_pool_s']:.2f} s; in process 1 GPU "
+        f"{row['in_process_one_gpu_inline_s']:.2f} / {row['in_process_one_gpu_pool_s']:.2f} s, "
+        f"all {row['in_process_all_gpus_inline_s']:.2f} / {row['in_process_all_gpus_pool_s']:.2f} s"
     )
     return row
 

@@ -5,7 +5,10 @@
   is read once). A frame that does not parse is recorded as failed (``unreadable``) and reading
   goes on with the next.
 * Structures travel in batches (bounded by atoms and count) with a bounded number of requests
-  in flight; the service coalesces them further on the device.
+  in flight; the service coalesces them further on the device. The inputs are read in a
+  thread while the first batches are evaluated, and the result frames can be written by
+  worker processes (``format_processes``): ASE's extxyz writer takes about as long per frame
+  as a GPU takes to evaluate it, and would otherwise hold a screening run to one core's pace.
 * Outputs in the output folder:
   ``results.extxyz`` (one frame per evaluated structure, in completion order, with energy,
   forces, stress when periodic, and ``screen_id``/``source``/``frame`` in the info line; the
@@ -31,13 +34,17 @@ import asyncio
 import contextlib
 import csv
 import io
+import itertools
 import json
+import multiprocessing
 import os
 import re
+import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -78,6 +85,8 @@ PROPERTIES = ("energy", "forces", "stress")
 RESULTS_FILE = "results.extxyz"
 SUMMARY_FILE = "summary.csv"
 JOURNAL_FILE = "journal.jsonl"
+READ_CHUNK = 64
+"""Frames parsed per hand-over from the reading thread."""
 
 _TRANSIENT_STATUS = frozenset((502, 503, 504))
 _FATAL_STATUS = frozenset((401, 403, 404, 405, 415, 501))  # 501: a server without POST
@@ -102,6 +111,9 @@ class ScreenOptions:
     timeout_s: float = 600.0
     retry_failed: bool = False
     progress: bool = True
+    # Processes writing the result frames (0: this one). They are spawned: a script that calls
+    # screen() with this set needs the usual ``if __name__ == "__main__":`` guard.
+    format_processes: int = 0
 
 
 @dataclass(frozen=True)
@@ -329,7 +341,8 @@ class _ResultStore:
     def finished(self, retry_failed: bool) -> set[str]:
         return {k for k, e in self.entries.items() if e["status"] == "ok" or not retry_failed}
 
-    def record(self, outcome: _Outcome) -> None:
+    def record(self, outcome: _Outcome, frame: bytes | None = None) -> None:
+        """Journal ``outcome``, after appending ``frame`` (its extxyz frame) if it succeeded."""
         item = outcome.item
         entry: dict[str, Any] = {
             "id": item.id,
@@ -339,7 +352,8 @@ class _ResultStore:
             "n_atoms": len(item.atoms),
         }
         if outcome.result is not None:
-            self._results.write(_extxyz_frame(item, outcome.result))
+            assert frame is not None
+            self._results.write(frame)
             self._results.flush()
             forces = outcome.result.get("forces")
             entry |= {
@@ -435,6 +449,58 @@ def _write_frame(atoms: Atoms, ids: dict[str, Any], result: dict[str, Any]) -> b
     return buffer.getvalue().encode("utf-8")
 
 
+def default_format_processes() -> int:
+    """Result-frame writers for ``so2serve screen``: a quarter of the cores, 1 to 4 (the
+    others read the inputs and run the client's or the model's host side)."""
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
+
+
+def _extxyz_frames(jobs: list[tuple[_Item, dict[str, Any]]]) -> list[bytes]:
+    return [_extxyz_frame(item, result) for item, result in jobs]
+
+
+def _ignore_interrupts() -> None:
+    # Ctrl-C reaches the whole process group: the main process stops the run and the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _FrameWriter:
+    """The extxyz frames of a batch's results, in this process or in ``processes`` spawned
+    workers (not forked: a GPU screening process has CUDA and threads running). If a worker
+    dies, the rest of the run writes its frames here."""
+
+    def __init__(self, processes: int) -> None:
+        self._pool = (
+            ProcessPoolExecutor(
+                processes,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_ignore_interrupts,
+            )
+            if processes > 0
+            else None
+        )
+
+    async def frames(self, outcomes: Sequence[_Outcome]) -> list[bytes | None]:
+        """One frame per outcome that has a result, None for a failure."""
+        jobs = [(o.item, o.result) for o in outcomes if o.result is not None]
+        written = None
+        if self._pool is not None and jobs:
+            loop = asyncio.get_running_loop()
+            try:
+                written = await loop.run_in_executor(self._pool, _extxyz_frames, jobs)
+            except BrokenExecutor:
+                self.close()
+        if written is None:
+            written = _extxyz_frames(jobs)
+        frames = iter(written)
+        return [None if o.result is None else next(frames) for o in outcomes]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+
 _CALCULATOR_ARRAYS = frozenset(per_atom_properties)
 """Per-atom results ASE's extxyz reader hands to a calculator (forces, energies, charges, ...)."""
 _FRAME_INFO_KEYS = frozenset((*per_config_properties, "Lattice", "Properties", "pbc"))
@@ -487,26 +553,20 @@ def _portable_value(value: Any) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class _Inputs:
-    items: list[_Item]  # structures that parsed
-    unreadable: list[_Outcome]  # frames (or rests of files) that did not
-    order: list[str]  # the ids of both, in input order
+async def _entries(paths: Sequence[Path]) -> AsyncIterator[_Item | _Outcome]:
+    """Every structure of every file in order, each malformed frame a failure of its own,
+    parsed in a thread (``READ_CHUNK`` frames at a time) so that the first batches are
+    evaluated while the rest is read. A path given more than once (overlapping shell globs)
+    is read once: its structures' ids would collide."""
+    unique = dict.fromkeys(str(p) for p in paths)
+    frames = itertools.chain.from_iterable(_read_frames(path) for path in unique)
+    while chunk := await asyncio.to_thread(_take, frames, READ_CHUNK):
+        for entry in chunk:
+            yield entry
 
 
-def read_inputs(paths: Sequence[Path]) -> _Inputs:
-    """Every structure of every file, each malformed frame a failure of its own. A path given
-    more than once (overlapping shell globs) is read once: its structures' ids would collide."""
-    inputs = _Inputs([], [], [])
-    for path in dict.fromkeys(str(p) for p in paths):
-        for entry in _read_frames(path):
-            if isinstance(entry, _Item):
-                inputs.items.append(entry)
-                inputs.order.append(entry.id)
-            else:
-                inputs.unreadable.append(entry)
-                inputs.order.append(entry.item.id)
-    return inputs
+def _take(entries: Iterator[_Item | _Outcome], count: int) -> list[_Item | _Outcome]:
+    return list(itertools.islice(entries, count))
 
 
 def _read_frames(source: str) -> Iterator[_Item | _Outcome]:
@@ -554,18 +614,29 @@ def _frames_read_apart(source: str) -> bool:
         return False
 
 
-def _batches(items: Sequence[_Item], max_atoms: int, max_structures: int) -> Iterator[list[_Item]]:
-    batch: list[_Item] = []
-    atoms = 0
-    for item in items:
+class _Batcher:
+    """Consecutive structures in batches bounded by atoms and count."""
+
+    def __init__(self, max_atoms: int, max_structures: int) -> None:
+        self._max_atoms, self._max_structures = max_atoms, max_structures
+        self._batch: list[_Item] = []
+        self._atoms = 0
+
+    def add(self, item: _Item) -> list[_Item] | None:
+        """Adds ``item``; returns the batch it closed by not fitting in, if any."""
         n = len(item.atoms)
-        if batch and (atoms + n > max_atoms or len(batch) == max_structures):
-            yield batch
-            batch, atoms = [], 0
-        batch.append(item)
-        atoms += n
-    if batch:
-        yield batch
+        full = None
+        if self._batch and (
+            self._atoms + n > self._max_atoms or len(self._batch) == self._max_structures
+        ):
+            full = self.flush()
+        self._batch.append(item)
+        self._atoms += n
+        return full
+
+    def flush(self) -> list[_Item]:
+        batch, self._batch, self._atoms = self._batch, [], 0
+        return batch
 
 
 async def _evaluate_isolating(backend: _Backend, batch: list[_Item]) -> list[_Outcome]:
@@ -626,29 +697,60 @@ def _progress(enabled: bool) -> Progress:
     )
 
 
+@dataclass
+class _Tally:
+    order: list[str] = field(default_factory=list)  # every id read, in input order
+    skipped: int = 0
+    succeeded: int = 0
+    failed: int = 0
+
+
 async def _run(
-    backend: _Backend, store: _ResultStore, todo: list[_Item], options: ScreenOptions
-) -> tuple[int, int]:
+    backend: _Backend,
+    store: _ResultStore,
+    writer: _FrameWriter,
+    inputs: Sequence[Path],
+    options: ScreenOptions,
+    tally: _Tally,
+) -> None:
+    finished = store.finished(options.retry_failed)
     queue: asyncio.Queue[list[_Item] | None] = asyncio.Queue(maxsize=2 * options.concurrency)
-    counts = {"ok": 0, "failed": 0}
     with _progress(options.progress) as progress:
-        task = progress.add_task("screen", total=len(todo), failed=0)
+        task = progress.add_task("screen", total=0, failed=0)
+
+        def record(outcome: _Outcome, frame: bytes | None) -> None:
+            store.record(outcome, frame)
+            if outcome.result is None:
+                tally.failed += 1
+            else:
+                tally.succeeded += 1
+            progress.update(task, advance=1, failed=tally.failed)
 
         async def produce() -> None:
-            for batch in _batches(todo, options.batch_atoms, options.batch_structures):
-                await queue.put(batch)
+            batcher = _Batcher(options.batch_atoms, options.batch_structures)
+            async for entry in _entries(inputs):
+                item = entry if isinstance(entry, _Item) else entry.item
+                tally.order.append(item.id)
+                if item.id in finished:
+                    tally.skipped += 1
+                    continue
+                progress.update(task, total=len(tally.order) - tally.skipped)
+                if isinstance(entry, _Outcome):  # a frame that does not parse
+                    record(entry, None)
+                elif (full := batcher.add(entry)) is not None:
+                    await queue.put(full)
+            if rest := batcher.flush():
+                await queue.put(rest)
             for _ in range(options.concurrency):
                 await queue.put(None)
 
         async def consume() -> None:
             while (batch := await queue.get()) is not None:
-                for outcome in await _evaluate_isolating(backend, batch):
-                    store.record(outcome)
-                    counts["ok" if outcome.result is not None else "failed"] += 1
-                    progress.update(task, advance=1, failed=counts["failed"])
+                outcomes = await _evaluate_isolating(backend, batch)
+                for outcome, frame in zip(outcomes, await writer.frames(outcomes), strict=True):
+                    record(outcome, frame)
 
         await asyncio.gather(produce(), *(consume() for _ in range(options.concurrency)))
-    return counts["ok"], counts["failed"]
 
 
 def screen(
@@ -666,27 +768,24 @@ async def _screen(
     inputs: Sequence[Path], options: ScreenOptions, evaluator: Evaluator | None
 ) -> ScreenReport:
     started = time.perf_counter()
+    tally = _Tally()
     async with contextlib.AsyncExitStack() as cleanup:
         # The backend first: a model file that does not load leaves no output folder behind.
         backend = _backend(options, evaluator)
         cleanup.push_async_callback(backend.aclose)
         store = _ResultStore(options.output_dir)
         cleanup.callback(store.close)
-        read = read_inputs(inputs)
-        finished = store.finished(options.retry_failed)
-        newly_unreadable = [o for o in read.unreadable if o.item.id not in finished]
-        for outcome in newly_unreadable:
-            store.record(outcome)
-        todo = [item for item in read.items if item.id not in finished]
+        writer = _FrameWriter(options.format_processes)
+        cleanup.callback(writer.close)
         try:
-            succeeded, failed = await _run(backend, store, todo, options)
+            await _run(backend, store, writer, inputs, options, tally)
         finally:
-            store.write_summary(read.order)
+            store.write_summary(tally.order)
     return ScreenReport(
-        total=len(read.order),
-        skipped=len(read.order) - len(todo) - len(newly_unreadable),
-        succeeded=succeeded,
-        failed=failed + len(newly_unreadable),
+        total=len(tally.order),
+        skipped=tally.skipped,
+        succeeded=tally.succeeded,
+        failed=tally.failed,
         output=store.results_path,
         summary=store.summary_path,
         seconds=time.perf_counter() - started,

@@ -15,10 +15,16 @@ from typing import Annotated
 import typer
 
 from service.model.errors import ModelConfigError, ModelFileError
-from service.training.config import ConfigError, TrainConfig, load_config
-from service.training.data import DataError
-from service.training.evaluate import evaluate_model
-from service.training.loop import CHECKPOINT_NAME, TrainResult, train
+from service.training.config import (
+    CHECKPOINT_NAME,
+    ConfigError,
+    TrainConfig,
+    TrainResult,
+    load_config,
+)
+
+# The training loop, data and evaluation import torch (seconds): the commands that run them
+# import them, so that every other ``so2serve`` command starts fast.
 
 __all__ = ["eval_command", "train_command"]
 
@@ -48,6 +54,9 @@ def train_command(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> TrainResult:
     """Train a model as the config says; writes the model file, checkpoint and logs."""
+    from service.training.data import DataError
+    from service.training.loop import train
+
     _configure_logging(verbose)
     overrides = list(set_ or [])
     if resume:
@@ -125,6 +134,9 @@ def eval_command(
     ] = None,
 ) -> None:
     """Energy/force/virial RMSE and MAE per system and overall (+ parity plot, JSON)."""
+    from service.training.data import DataError
+    from service.training.evaluate import evaluate_model
+
     _configure_logging(False)
     try:
         report = evaluate_model(

@@ -22,6 +22,7 @@ from service.model.config import ModelConfig, preset
 from service.model.errors import ModelConfigError
 
 __all__ = [
+    "CHECKPOINT_NAME",
     "ConfigError",
     "DataConfig",
     "LossConfig",
@@ -29,12 +30,17 @@ __all__ = [
     "OptimConfig",
     "RunConfig",
     "TrainConfig",
+    "TrainResult",
     "apply_overrides",
     "load_config",
 ]
 
 Schedule = Literal["cosine", "wsd", "constant"]
 Export = Literal["best", "final"]
+
+
+CHECKPOINT_NAME = "checkpoint.pt"
+"""The run's resumable state, in ``run.output_dir``."""
 
 
 class ConfigError(ValueError):
@@ -300,3 +306,20 @@ def load_config(path: Path | str | None, overrides: Sequence[str] = ()) -> Train
     """Load a TOML/JSON config (defaults when ``path`` is None) and apply the overrides."""
     raw = _read_file(Path(path)) if path is not None else {}
     return TrainConfig.from_dict(apply_overrides(raw, overrides))
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished training run wrote, and the validation of its exported weights."""
+
+    output_dir: Path
+    model_path: Path
+    checkpoint_path: Path
+    steps: int
+    wall_s: float
+    execution: dict[str, str]
+    validation: dict[str, float]
+    """Validation metrics of the exported weights (energy_rmse eV/atom, forces_rmse eV/Å, ...)."""
+    exported_step: int
+    log_csv: Path
+    log_jsonl: Path

@@ -39,7 +39,13 @@ from service.model.config import preset
 from service.model.dpa4 import DPA4Model
 from service.model.io import load_model, save_model
 from service.model.potential import Potential, Prediction, resolve_device
-from service.training.config import ConfigError, DataConfig, TrainConfig
+from service.training.config import (
+    CHECKPOINT_NAME,
+    ConfigError,
+    DataConfig,
+    TrainConfig,
+    TrainResult,
+)
 from service.training.data import (
     DataError,
     Frame,
@@ -64,7 +70,6 @@ from service.training.state import (
 
 __all__ = [
     "PreparedData",
-    "TrainResult",
     "Trainer",
     "choose_training_path",
     "compute_loss",
@@ -79,7 +84,6 @@ __all__ = [
 
 log = logging.getLogger("so2serve.training")
 
-CHECKPOINT_NAME = "checkpoint.pt"
 LOG_COLUMNS = (
     "step",
     "epoch",
@@ -314,21 +318,6 @@ def validation_loss(errors: PropertyErrors, weights: LossWeights) -> float:
 
 
 # The trainer
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    output_dir: Path
-    model_path: Path
-    checkpoint_path: Path
-    steps: int
-    wall_s: float
-    execution: dict[str, str]
-    validation: dict[str, float]
-    """Validation metrics of the exported weights (energy_rmse eV/atom, forces_rmse eV/Å, ...)."""
-    exported_step: int
-    log_csv: Path
-    log_jsonl: Path
 
 
 @dataclass

@@ -9,8 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from service.cli import app
-from service.training.config import TrainConfig
-from service.training.loop import CHECKPOINT_NAME
+from service.training.config import CHECKPOINT_NAME, TrainConfig
 from tests.training.synthetic import tiny_run_config_file, write_water_system
 
 
@@ -20,7 +19,7 @@ def interrupted_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     def ctrl_c(config: TrainConfig) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("service.training.cli.train", ctrl_c)
+    monkeypatch.setattr("service.training.loop.train", ctrl_c)
     config = tiny_run_config_file(tmp_path, write_water_system(tmp_path / "sys", 4))
     result = CliRunner().invoke(app, ["train", str(config)])
     assert result.exit_code == 130 and isinstance(result.exception, SystemExit), result.output
