@@ -12,12 +12,12 @@ one queue), after a warm-up pass per device and one untimed round; medians of ``
 rounds, atoms per second, and the speed-up of all GPUs over one. The results of both engines
 are compared (max |ΔE| per atom, max |ΔF|).
 
-The ``screen`` phase times what a user runs, ``so2serve screen`` (extxyz in, extxyz and
-journal out, a process per run), over the same workload: through a server started with
-``--device cuda:0`` and with ``--device cuda:all``, and in process on the same devices (model
-loading included, as a user waits for it), at ``--screen-concurrency`` requests in flight,
-with the result frames written in the screening process and by worker processes, alternated.
-The first run of each setting is untimed.
+The ``screen`` phase times what users run, ``so2serve screen`` (extxyz in, extxyz and journal
+out, a process per run), over the same workload split into files: through a server started
+with ``--device cuda:0`` and with ``--device cuda:all``, by ``--screen-clients`` screening
+processes at once (each with its share of the files, ``--screen-concurrency`` requests in
+flight), after an untimed run; then once in process on the same devices (model loading
+included, as a user waits for it).
 Raw numbers go to ``benchmarks/results/devices_<stamp>.json``.
 """
 
@@ -41,7 +41,6 @@ from ase.io import write
 
 from benchmarks.common import write_results
 from benchmarks.service import free_port, model_file, start_server, water_atoms
-from clients.screen import default_format_processes
 from service.engine import BatchLimits, Engine, EvaluationResult, ServiceMetrics, Worker
 from service.graph.structures import Structures
 from service.model.potential import Potential, load_potential
@@ -135,80 +134,97 @@ def run_case(
 _SCREEN_SECONDS = re.compile(r" in ([0-9.]+) s → ")
 
 
-def _timed_screens(inputs: Path, workdir: Path, runs: list[int], *flags: str) -> list[float]:
-    """Seconds of one ``so2serve screen`` run per entry of ``runs`` (its
-    ``--format-processes``), each into a fresh output folder, as the command reports them
-    (reading to summary; the interpreter's start and imports are not counted). A subprocess
-    each: the frame writers are spawned, and would import this script's torch."""
-    seconds: list[float] = []
-    for k, processes in enumerate(runs):
-        command = [
-            sys.executable, "-m", "service.cli", "screen", str(inputs),
-            "--out", str(workdir / f"out{k}"), "--no-progress",
-            "--format-processes", str(processes), *flags,
-        ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
-        found = _SCREEN_SECONDS.search(done.stderr)
-        if done.returncode or found is None or " 0 failed" not in done.stderr:
-            raise RuntimeError(f"screening failed ({done.returncode}): {done.stderr[-2000:]}")
+def _screen_command(inputs: list[Path], out: Path, *flags: str) -> list[str]:
+    return [
+        sys.executable, "-m", "service.cli", "screen", *map(str, inputs),
+        "--out", str(out), "--no-progress", *flags,
+    ]  # fmt: skip
+
+
+def _screens_at_once(commands: list[list[str]]) -> float:
+    """Runs ``so2serve screen`` commands side by side; the longest run as the commands report
+    it (reading to summary; the interpreter's start and imports are not counted)."""
+    running = [subprocess.Popen(c, stderr=subprocess.PIPE, text=True, cwd=ROOT) for c in commands]
+    seconds = []
+    for process in running:
+        _, stderr = process.communicate()
+        found = _SCREEN_SECONDS.search(stderr)
+        if process.returncode or found is None or " 0 failed" not in stderr:
+            raise RuntimeError(f"screening failed ({process.returncode}): {stderr[-2000:]}")
         seconds.append(float(found.group(1)))
-    return seconds
+    return max(seconds)
 
 
 def screen_case(
-    model: Path, atoms: list[Atoms], devices: list[str], repeats: int, concurrency: int
+    model: Path,
+    atoms: list[Atoms],
+    devices: list[str],
+    repeats: int,
+    concurrency: int,
+    client_counts: list[int],
 ) -> dict[str, Any]:
-    """``so2serve screen`` over HTTP (a server per device setting), then in process, each with
-    its result frames written in this process and by ``default_format_processes()`` workers,
-    alternated after an untimed run."""
+    """``so2serve screen`` through a server per device setting, by 1..N clients at once, each
+    screening its share of the input files; then one in-process screen per device setting."""
     n_atoms = sum(len(a) for a in atoms)
-    writers = default_format_processes()
     row: dict[str, Any] = {
         "shape": "screen",
         "structure_atoms": len(atoms[0]),
         "structures": len(atoms),
         "atoms": n_atoms,
         "concurrency": concurrency,
-        "format_processes": writers,
     }
-    runs = [writers] + [0, writers] * repeats
+    parts = max(client_counts)
     labels = list(zip(("one_gpu", "all_gpus"), devices, strict=True))
-    timed: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        inputs = workdir / "inputs.extxyz"
-        write(inputs, atoms, format="extxyz")
+        files = [workdir / f"part{k}.extxyz" for k in range(parts)]
+        for k, path in enumerate(files):
+            write(path, atoms[k::parts], format="extxyz")
+        flags = ("--concurrency", str(concurrency))
         for label, device in labels:
             port = free_port()
             server = start_server(model, device, port, window_ms=None, switch_ms=None)
+            url = ("--url", f"http://127.0.0.1:{port}")
             try:
-                timed[f"http_{label}"] = _timed_screens(
-                    inputs, workdir / f"http_{label}", runs,
-                    "--url", f"http://127.0.0.1:{port}", "--concurrency", str(concurrency),
-                )  # fmt: skip
+                _screens_at_once([_screen_command(files, workdir / f"warm_{label}", *url, *flags)])
+                for clients in client_counts:
+                    rounds = [
+                        _screens_at_once([
+                            _screen_command(
+                                files[c::clients], workdir / f"{label}_{clients}_{r}_{c}",
+                                *url, *flags,
+                            )
+                            for c in range(clients)
+                        ])
+                        for r in range(repeats)
+                    ]  # fmt: skip
+                    key = f"http_{label}_{clients}_clients"
+                    row[f"{key}_s"] = statistics.median(rounds)
+                    row[f"{key}_atoms_per_s"] = n_atoms / row[f"{key}_s"]
+                    row[f"{key}_rounds_s"] = rounds
             finally:
                 server.terminate()
                 server.wait(timeout=60)
         for label, device in labels:
-            timed[f"in_process_{label}"] = _timed_screens(
-                inputs, workdir / f"local_{label}", runs,
-                "--model", str(model), "--device", device, "--concurrency", str(concurrency),
+            command = _screen_command(
+                files, workdir / f"local_{label}", "--model", str(model), "--device", device,
+                *flags,
             )  # fmt: skip
-    for key, seconds in timed.items():
-        for variant, picked in (("inline", seconds[1::2]), ("pool", seconds[2::2])):
-            median = statistics.median(picked)
-            row[f"{key}_{variant}_s"] = median
-            row[f"{key}_{variant}_atoms_per_s"] = n_atoms / median
-        row[f"{key}_rounds_s"] = seconds
-    for where in ("http", "in_process"):
-        row[f"{where}_speedup"] = row[f"{where}_one_gpu_pool_s"] / row[f"{where}_all_gpus_pool_s"]
+            row[f"in_process_{label}_s"] = _screens_at_once([command])
+    for clients in client_counts:
+        key = f"http_{{}}_{clients}_clients_s"
+        row[f"http_{clients}_clients_speedup"] = (
+            row[key.format("one_gpu")] / row[key.format("all_gpus")]
+        )
     print(
-        f"screen       {len(atoms[0]):5d} atoms × {len(atoms):4d}, frames written here / by "
-        f"{writers} processes: HTTP 1 GPU {row['http_one_gpu_inline_s']:.2f} / "
-        f"{row['http_one_gpu_pool_s']:.2f} s, all {row['http_all_gpus_inline_s']:.2f} / "
-        f"{row['http_all_gpus_pool_s']:.2f} s; in process 1 GPU "
-        f"{row['in_process_one_gpu_inline_s']:.2f} / {row['in_process_one_gpu_pool_s']:.2f} s, "
-        f"all {row['in_process_all_gpus_inline_s']:.2f} / {row['in_process_all_gpus_pool_s']:.2f} s"
+        f"screen       {len(atoms[0]):5d} atoms × {len(atoms):4d}: "
+        + "; ".join(
+            f"{c} client(s) 1 GPU {row[f'http_one_gpu_{c}_clients_s']:.2f} s, all "
+            f"{row[f'http_all_gpus_{c}_clients_s']:.2f} s"
+            for c in client_counts
+        )
+        + f"; in process 1 GPU {row['in_process_one_gpu_s']:.1f} s, all "
+        f"{row['in_process_all_gpus_s']:.1f} s (model loading included)"
     )
     return row
 
@@ -223,6 +239,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--phases", nargs="+", default=["engine", "screen"])
     parser.add_argument("--screen-concurrency", type=int, default=8)
+    parser.add_argument("--screen-clients", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     n_gpus = torch.cuda.device_count()
     if n_gpus < 2:
@@ -253,7 +270,12 @@ def main() -> None:
         for size in args.sizes:
             atoms = workload(size, args.total_atoms)
             devices = ["cuda:0", "cuda:all"]
-            save(screen_case(path, atoms, devices, args.repeats, args.screen_concurrency))
+            save(
+                screen_case(
+                    path, atoms, devices, args.repeats, args.screen_concurrency,
+                    args.screen_clients,
+                )
+            )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,9 +6,7 @@
   goes on with the next.
 * Structures travel in batches (bounded by atoms and count) with a bounded number of requests
   in flight; the service coalesces them further on the device. The inputs are read in a
-  thread while the first batches are evaluated, and the result frames can be written by
-  worker processes (``format_processes``): ASE's extxyz writer takes about as long per frame
-  as a GPU takes to evaluate it, and would otherwise hold a screening run to one core's pace.
+  thread while the first batches are evaluated.
 * Outputs in the output folder:
   ``results.extxyz`` (one frame per evaluated structure, in completion order, with energy,
   forces, stress when periodic, and ``screen_id``/``source``/``frame`` in the info line; the
@@ -36,14 +34,11 @@ import csv
 import io
 import itertools
 import json
-import multiprocessing
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -111,9 +106,6 @@ class ScreenOptions:
     timeout_s: float = 600.0
     retry_failed: bool = False
     progress: bool = True
-    # Processes writing the result frames (0: this one). They are spawned: a script that calls
-    # screen() with this set needs the usual ``if __name__ == "__main__":`` guard.
-    format_processes: int = 0
 
 
 @dataclass(frozen=True)
@@ -341,8 +333,7 @@ class _ResultStore:
     def finished(self, retry_failed: bool) -> set[str]:
         return {k for k, e in self.entries.items() if e["status"] == "ok" or not retry_failed}
 
-    def record(self, outcome: _Outcome, frame: bytes | None = None) -> None:
-        """Journal ``outcome``, after appending ``frame`` (its extxyz frame) if it succeeded."""
+    def record(self, outcome: _Outcome) -> None:
         item = outcome.item
         entry: dict[str, Any] = {
             "id": item.id,
@@ -352,8 +343,7 @@ class _ResultStore:
             "n_atoms": len(item.atoms),
         }
         if outcome.result is not None:
-            assert frame is not None
-            self._results.write(frame)
+            self._results.write(_extxyz_frame(item, outcome.result))
             self._results.flush()
             forces = outcome.result.get("forces")
             entry |= {
@@ -447,58 +437,6 @@ def _write_frame(atoms: Atoms, ids: dict[str, Any], result: dict[str, Any]) -> b
     buffer = io.StringIO()
     ase.io.write(buffer, atoms, format="extxyz")
     return buffer.getvalue().encode("utf-8")
-
-
-def default_format_processes() -> int:
-    """Result-frame writers for ``so2serve screen``: a quarter of the cores, 1 to 4 (the
-    others read the inputs and run the client's or the model's host side)."""
-    return min(4, max(1, (os.cpu_count() or 1) // 4))
-
-
-def _extxyz_frames(jobs: list[tuple[_Item, dict[str, Any]]]) -> list[bytes]:
-    return [_extxyz_frame(item, result) for item, result in jobs]
-
-
-def _ignore_interrupts() -> None:
-    # Ctrl-C reaches the whole process group: the main process stops the run and the pool.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-class _FrameWriter:
-    """The extxyz frames of a batch's results, in this process or in ``processes`` spawned
-    workers (not forked: a GPU screening process has CUDA and threads running). If a worker
-    dies, the rest of the run writes its frames here."""
-
-    def __init__(self, processes: int) -> None:
-        self._pool = (
-            ProcessPoolExecutor(
-                processes,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_ignore_interrupts,
-            )
-            if processes > 0
-            else None
-        )
-
-    async def frames(self, outcomes: Sequence[_Outcome]) -> list[bytes | None]:
-        """One frame per outcome that has a result, None for a failure."""
-        jobs = [(o.item, o.result) for o in outcomes if o.result is not None]
-        written = None
-        if self._pool is not None and jobs:
-            loop = asyncio.get_running_loop()
-            try:
-                written = await loop.run_in_executor(self._pool, _extxyz_frames, jobs)
-            except BrokenExecutor:
-                self.close()
-        if written is None:
-            written = _extxyz_frames(jobs)
-        frames = iter(written)
-        return [None if o.result is None else next(frames) for o in outcomes]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
 
 
 _CALCULATOR_ARRAYS = frozenset(per_atom_properties)
@@ -708,7 +646,6 @@ class _Tally:
 async def _run(
     backend: _Backend,
     store: _ResultStore,
-    writer: _FrameWriter,
     inputs: Sequence[Path],
     options: ScreenOptions,
     tally: _Tally,
@@ -718,8 +655,8 @@ async def _run(
     with _progress(options.progress) as progress:
         task = progress.add_task("screen", total=0, failed=0)
 
-        def record(outcome: _Outcome, frame: bytes | None) -> None:
-            store.record(outcome, frame)
+        def record(outcome: _Outcome) -> None:
+            store.record(outcome)
             if outcome.result is None:
                 tally.failed += 1
             else:
@@ -736,7 +673,7 @@ async def _run(
                     continue
                 progress.update(task, total=len(tally.order) - tally.skipped)
                 if isinstance(entry, _Outcome):  # a frame that does not parse
-                    record(entry, None)
+                    record(entry)
                 elif (full := batcher.add(entry)) is not None:
                     await queue.put(full)
             if rest := batcher.flush():
@@ -746,9 +683,8 @@ async def _run(
 
         async def consume() -> None:
             while (batch := await queue.get()) is not None:
-                outcomes = await _evaluate_isolating(backend, batch)
-                for outcome, frame in zip(outcomes, await writer.frames(outcomes), strict=True):
-                    record(outcome, frame)
+                for outcome in await _evaluate_isolating(backend, batch):
+                    record(outcome)
 
         await asyncio.gather(produce(), *(consume() for _ in range(options.concurrency)))
 
@@ -775,10 +711,8 @@ async def _screen(
         cleanup.push_async_callback(backend.aclose)
         store = _ResultStore(options.output_dir)
         cleanup.callback(store.close)
-        writer = _FrameWriter(options.format_processes)
-        cleanup.callback(writer.close)
         try:
-            await _run(backend, store, writer, inputs, options, tally)
+            await _run(backend, store, inputs, options, tally)
         finally:
             store.write_summary(tally.order)
     return ScreenReport(

@@ -200,18 +200,10 @@ def screen(
         bool, typer.Option(help="re-run structures that failed before")
     ] = False,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
-    format_processes: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="processes writing result frames; 0: this one [default: a quarter of "
-            "the cores, 1 to 4]",
-        ),
-    ] = None,
 ) -> None:
     """Evaluate every structure of INPUTS into OUT/results.extxyz and OUT/summary.csv;
     an interrupted run resumes where it stopped."""
-    from clients.screen import ScreenAborted, ScreenOptions, default_format_processes
+    from clients.screen import ScreenAborted, ScreenOptions
     from clients.screen import screen as run_screen
     from service.model.errors import ModelConfigError, ModelFileError
 
@@ -233,9 +225,6 @@ def screen(
         timeout_s=timeout,
         retry_failed=retry_failed,
         progress=progress,
-        format_processes=(
-            default_format_processes() if format_processes is None else format_processes
-        ),
     )
     try:
         report = run_screen(inputs, options)

@@ -9,9 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import ase.io
 import numpy as np
@@ -20,15 +19,7 @@ from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
 from typer.testing import CliRunner
 
-from clients.screen import (
-    JOURNAL_FILE,
-    RESULTS_FILE,
-    SUMMARY_FILE,
-    ScreenOptions,
-    _FrameWriter,
-    _Outcome,
-    screen,
-)
+from clients.screen import JOURNAL_FILE, RESULTS_FILE, SUMMARY_FILE, ScreenOptions, screen
 from service.api import ServiceSettings, create_app
 from service.cli import app
 from service.graph.structures import Structures
@@ -106,51 +97,12 @@ def test_screen_through_the_service(
     assert "0 evaluated, 0 failed, 10 already done" in again.output
 
 
-@pytest.mark.parametrize("format_processes", [0, 2])
-def test_screen_in_process(inputs: list[Path], tmp_path: Path, format_processes: int) -> None:
+def test_screen_in_process(inputs: list[Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
-    options = ScreenOptions(
-        output_dir=out, progress=False, batch_structures=2, format_processes=format_processes
-    )
+    options = ScreenOptions(output_dir=out, progress=False, batch_structures=2)
     report = screen(inputs, options, evaluator=PairPotential())
     assert (report.total, report.succeeded, report.failed, report.skipped) == (10, 8, 2, 0)
     check_outputs(out, inputs)
-
-
-def test_frames_are_written_here_once_a_writer_process_dies(tmp_path: Path) -> None:
-    structures = [rattled_copper(1, seed=k) for k in range(6)]
-    ase.io.write(tmp_path / "in.extxyz", structures)
-    writer = _FrameWriter(1)
-    real_frames, real_close = writer.frames, writer.close
-    calls = 0
-    closed_at: list[int] = []
-
-    def close() -> None:
-        closed_at.append(calls)
-        real_close()
-
-    async def frames_after_a_crash(outcomes: Sequence[_Outcome]) -> list[bytes | None]:
-        nonlocal calls
-        calls += 1
-        if calls == 2:  # the pool is up (it wrote the first batch): kill its worker
-            pool = writer._pool
-            assert pool is not None
-            for process in list(pool._processes.values()):  # type: ignore[attr-defined]
-                process.kill()
-                process.join()
-        return await real_frames(outcomes)
-
-    writer.frames = frames_after_a_crash  # type: ignore[method-assign]
-    writer.close = close  # type: ignore[method-assign]
-    options = ScreenOptions(
-        output_dir=tmp_path / "out", progress=False, batch_structures=2, concurrency=1
-    )
-    with mock.patch("clients.screen._FrameWriter", return_value=writer):
-        report = screen([tmp_path / "in.extxyz"], options, evaluator=PairPotential())
-    assert (report.succeeded, report.failed, calls) == (6, 0, 3)
-    assert closed_at[0] == 2  # the broken pool was closed: the rest was written here
-    frames = ase.io.read(tmp_path / "out" / RESULTS_FILE, index=":")
-    assert sorted(f.info["frame"] for f in frames) == list(range(6))
 
 
 def test_transient_overload_is_retried(inputs: list[Path], tmp_path: Path) -> None:

@@ -7,21 +7,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
-import ase.io
 import pytest
 import torch
 from pydantic import SecretStr
 from typer.testing import CliRunner, Result
 
-from clients.screen import ScreenAborted, ScreenOptions, default_format_processes
 from service.api import ServiceSettings, create_app
 from service.cli import app
 from tests.service.fakes import (
     PairPotential,
     free_port_socket,
-    rattled_copper,
     running_server,
 )
 
@@ -112,22 +108,7 @@ def test_screen_reports_a_device_this_machine_lacks(tmp_path: Path) -> None:
 
 
 def test_the_cli_starts_without_torch() -> None:
-    # `so2serve --help`, `screen --url` and info need no model; the spawned frame writers of
-    # `so2serve screen` import the CLI module again in every worker.
+    # `so2serve --help`, `screen --url` and `info --url` need no model: they start in a
+    # fraction of a second instead of torch's seconds.
     code = "import sys, service.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
-
-
-def test_screen_passes_the_frame_writer_count(tmp_path: Path) -> None:
-    ase.io.write(tmp_path / "in.xyz", rattled_copper(1))
-    seen: list[int] = []
-
-    def fake_screen(inputs: list[Path], options: ScreenOptions) -> object:
-        seen.append(options.format_processes)
-        raise ScreenAborted("stop here")
-
-    with mock.patch("clients.screen.screen", fake_screen):
-        for flags in ([], ["--format-processes", "0"], ["--format-processes", "3"]):
-            result = CliRunner().invoke(app, ["screen", str(tmp_path / "in.xyz"), *flags])
-            assert result.exit_code == 2 and "stop here" in result.output
-    assert seen == [default_format_processes(), 0, 3]
