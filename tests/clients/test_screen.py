@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import Any
 
 import ase.io
 import numpy as np
@@ -19,7 +20,15 @@ from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
 from typer.testing import CliRunner
 
-from clients.screen import JOURNAL_FILE, RESULTS_FILE, SUMMARY_FILE, ScreenOptions, screen
+from clients import screen as screen_module
+from clients.screen import (
+    JOURNAL_FILE,
+    READ_CHUNK,
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    ScreenOptions,
+    screen,
+)
 from service.api import ServiceSettings, create_app
 from service.cli import app
 from service.graph.structures import Structures
@@ -356,3 +365,34 @@ def test_a_path_given_twice_is_read_once(tmp_path: Path) -> None:
     assert (report.total, report.succeeded) == (3, 3)
     assert [r["id"] for r in summary_rows(out)] == [f"{path}@{k}" for k in range(3)]
     assert len(ase.io.read(out / RESULTS_FILE, index=":")) == 3
+
+
+def test_the_first_batches_run_before_the_inputs_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "many.extxyz"
+    total = 3 * READ_CHUNK
+    ase.io.write(path, [small_molecule("H2O", seed=k) for k in range(total)])
+    parsed = 0
+    read_frames = screen_module._read_frames
+
+    def counted(source: str) -> Iterator[object]:
+        nonlocal parsed
+        for entry in read_frames(source):
+            parsed += 1
+            yield entry
+
+    class Probe(PairPotential):
+        parsed_at_first_pass: int | None = None
+
+        def predict(self, structures: Structures, properties: Collection[str]) -> Any:
+            if self.parsed_at_first_pass is None:
+                self.parsed_at_first_pass = parsed
+            return super().predict(structures, properties)
+
+    monkeypatch.setattr(screen_module, "_read_frames", counted)
+    probe = Probe()
+    options = ScreenOptions(output_dir=tmp_path / "out", progress=False, batch_structures=4)
+    report = screen([path], options, evaluator=probe)
+    assert (report.total, report.succeeded) == (total, total)
+    assert probe.parsed_at_first_pass is not None and probe.parsed_at_first_pass < total
