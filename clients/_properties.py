@@ -1,13 +1,43 @@
-"""What the ASE calculators compute per call, shared by the HTTP and in-process ones."""
+"""What the ASE calculators compute per call, and how they take calls, shared by the HTTP
+and in-process ones."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection
+from typing import Any
 
 from ase import Atoms
-from ase.calculators.calculator import PropertyNotImplementedError
+from ase.calculators.calculator import Calculator, PropertyNotImplementedError
 
 IMPLEMENTED_PROPERTIES = ["energy", "free_energy", "forces", "stress", "energies"]
+
+
+class SerialCalculator(Calculator):
+    """An ASE calculator that takes one property call at a time. ASE keeps the last atoms and
+    results on the calculator, between comparing, computing and reading them: two threads
+    sharing one calculator got each other's forces (and the HTTP one, a shared connection).
+    Threads that want to run in parallel take a calculator each."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        self._calls = threading.RLock()
+
+    def get_property(
+        self, name: str, atoms: Atoms | None = None, allow_calculation: bool = True
+    ) -> Any:
+        with self._calls:
+            base = super().get_property  # untyped in ASE
+            return base(name, atoms, allow_calculation)  # type: ignore[no-untyped-call]
+
+    def __getstate__(self) -> dict[str, Any]:  # a lock does not pickle: a copy gets its own
+        state = self.__dict__.copy()
+        del state["_calls"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._calls = threading.RLock()
 
 
 def has_full_cell(atoms: Atoms) -> bool:

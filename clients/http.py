@@ -24,10 +24,10 @@ import msgpack
 import numpy as np
 import orjson
 from ase import Atoms
-from ase.calculators.calculator import CalculationFailed, Calculator, all_changes
+from ase.calculators.calculator import CalculationFailed, all_changes
 
 from clients._connection import AnswerTimeout, KeepAliveConnection, Reply, TransportError
-from clients._properties import IMPLEMENTED_PROPERTIES, properties_to_compute
+from clients._properties import IMPLEMENTED_PROPERTIES, SerialCalculator, properties_to_compute
 
 WireChoice = Literal["json", "msgpack"]
 _JSON = "application/json"
@@ -152,7 +152,7 @@ def retry_delay(attempt: int, backoff_s: float, retry_after: str | None) -> floa
     return min(delay, 30.0)
 
 
-class SO2Calculator(Calculator):
+class SO2Calculator(SerialCalculator):
     """ASE calculator backed by an so2serve service.
 
     Args:
@@ -185,7 +185,7 @@ class SO2Calculator(Calculator):
         spin_lead_ms: float = DEFAULT_SPIN_LEAD_MS,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        super().__init__(**kwargs)
         if wire not in ("json", "msgpack"):
             raise ValueError(f"wire must be 'json' or 'msgpack', got {wire!r}")
         if retries < 0 or not backoff_s >= 0:

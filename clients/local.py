@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 from ase import Atoms
-from ase.calculators.calculator import CalculationFailed, Calculator, all_changes
+from ase.calculators.calculator import CalculationFailed, all_changes
 
-from clients._properties import IMPLEMENTED_PROPERTIES, properties_to_compute
+from clients._properties import IMPLEMENTED_PROPERTIES, SerialCalculator, properties_to_compute
 from service.engine.evaluator import Evaluator
 from service.graph.structures import Structures
 from service.model.errors import non_finite_fields
@@ -20,7 +20,7 @@ def _host(value: Any) -> np.ndarray:
     return np.asarray(value.detach().cpu().double().numpy())
 
 
-class SO2LocalCalculator(Calculator):
+class SO2LocalCalculator(SerialCalculator):
     """ASE calculator evaluating the SO(2) potential in this process.
 
     Args:
@@ -46,7 +46,7 @@ class SO2LocalCalculator(Calculator):
         precision: str = "fp32",
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        super().__init__(**kwargs)
         if model is None or isinstance(model, str | Path):
             from service.model.potential import load_potential
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -290,3 +291,47 @@ def test_default_model_if_shipped() -> None:
         local = water_box()
         local.calc = SO2LocalCalculator(device="cpu")
         assert_identical(remote, local, periodic=True)
+
+
+THREADED_CALLS = 300
+"""Per thread: enough for the unguarded calculators to fail every run of this test."""
+
+
+@pytest.mark.parametrize("kind", ["http", "local"])
+def test_one_calculator_shared_by_threads_answers_each_for_its_own_atoms(
+    server: tuple[str, PairPotential], kind: str
+) -> None:
+    # ASE keeps the last atoms and results on the calculator: without taking calls one at a
+    # time, a thread could return the results another thread's structure left there.
+    structures = [small_molecule("CH3OH", seed=1), rattled_copper(1, seed=2)]
+    calc = (
+        SO2Calculator(server[0], spin_lead_ms=0)
+        if kind == "http"
+        else SO2LocalCalculator(PairPotential())
+    )
+    failures: list[str] = []
+
+    def worker(k: int) -> None:
+        for step in range(THREADED_CALLS):
+            atoms = structures[k].copy()
+            atoms.positions[0, 0] += 1e-4 * (step % 2)  # a change: every call computes
+            try:
+                forces = calc.get_property("forces", atoms)
+            except Exception as exc:  # e.g. results reset by the other thread
+                failures.append(f"thread {k} step {step}: {exc!r}")
+                continue
+            reference = SO2LocalCalculator(PairPotential()).get_property("forces", atoms)
+            if forces.shape != reference.shape or not np.allclose(forces, reference):
+                failures.append(f"thread {k} step {step}: another structure's forces")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between almost any two bytecodes
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures, failures[:5]
