@@ -3,7 +3,9 @@ and in-process ones."""
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Collection
 from typing import Any
 
@@ -21,7 +23,11 @@ class SerialCalculator(Calculator):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        self._new_lock()
+
+    def _new_lock(self) -> None:
         self._calls = threading.RLock()
+        _SERIAL_CALCULATORS.add(self)
 
     def get_property(
         self, name: str, atoms: Atoms | None = None, allow_calculation: bool = True
@@ -30,6 +36,12 @@ class SerialCalculator(Calculator):
             base = super().get_property  # untyped in ASE
             return base(name, atoms, allow_calculation)  # type: ignore[no-untyped-call]
 
+    def calculate_properties(self, atoms: Atoms, properties: Collection[str]) -> Any:
+        """``Atoms.get_properties`` comes here, not through ``get_property``."""
+        with self._calls:
+            base = super().calculate_properties  # untyped in ASE
+            return base(atoms, properties)  # type: ignore[no-untyped-call]
+
     def __getstate__(self) -> dict[str, Any]:  # a lock does not pickle: a copy gets its own
         state = self.__dict__.copy()
         del state["_calls"]
@@ -37,7 +49,21 @@ class SerialCalculator(Calculator):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._calls = threading.RLock()
+        self._new_lock()
+
+
+_SERIAL_CALCULATORS: weakref.WeakSet[SerialCalculator] = weakref.WeakSet()
+
+
+def _unlock_in_child() -> None:
+    """A process forked while another thread was in a call inherits that thread's hold on the
+    lock, but not the thread: it would wait forever. The child has one thread, so new locks."""
+    for calc in list(_SERIAL_CALCULATORS):
+        calc._new_lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which does not fork
+    os.register_at_fork(after_in_child=_unlock_in_child)
 
 
 def has_full_cell(atoms: Atoms) -> bool:

@@ -234,7 +234,8 @@ class SO2Calculator(SerialCalculator):
 
     def info(self) -> dict[str, Any]:
         """The service's ``/info`` (model, execution path, limits)."""
-        reply = self._request("GET", "/info", None, None)
+        with self._calls:  # the connection is the property calls' too
+            reply = self._request("GET", "/info", None, None)
         try:
             info: dict[str, Any] = orjson.loads(reply.content)
         except orjson.JSONDecodeError as exc:

@@ -39,7 +39,7 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -359,9 +359,17 @@ class _ResultStore:
         self._journal.flush()
         self.entries[item.id] = entry
 
-    def write_summary(self, order: Sequence[str]) -> None:
-        ranked = {key: k for k, key in enumerate(order)}
-        rows = sorted(self.entries.values(), key=lambda e: ranked.get(e["id"], len(ranked)))
+    def write_summary(self, sources: Sequence[str]) -> None:
+        """Rows in input order: by source (``sources``, as :func:`_distinct_sources` gives
+        them), then frame, which needs no reading of the inputs (a run stopped early has not
+        read them all); rows of sources not given this time last, in journal order."""
+        ranked = {source: k for k, source in enumerate(sources)}
+
+        def place(entry: dict[str, Any]) -> tuple[int, int]:
+            rank = ranked.get(entry["source"])
+            return (len(ranked), 0) if rank is None else (rank, entry["frame"])
+
+        rows = sorted(self.entries.values(), key=place)
         columns = [
             "id",
             "source",
@@ -496,11 +504,14 @@ async def _entries(paths: Sequence[Path]) -> AsyncIterator[_Item | _Outcome]:
     parsed in a thread (``READ_CHUNK`` frames at a time) so that the first batches are
     evaluated while the rest is read. A path given more than once (overlapping shell globs)
     is read once: its structures' ids would collide."""
-    unique = dict.fromkeys(str(p) for p in paths)
-    frames = itertools.chain.from_iterable(_read_frames(path) for path in unique)
+    frames = itertools.chain.from_iterable(map(_read_frames, _distinct_sources(paths)))
     while chunk := await asyncio.to_thread(_take, frames, READ_CHUNK):
         for entry in chunk:
             yield entry
+
+
+def _distinct_sources(paths: Sequence[Path]) -> list[str]:
+    return list(dict.fromkeys(str(p) for p in paths))
 
 
 def _take(entries: Iterator[_Item | _Outcome], count: int) -> list[_Item | _Outcome]:
@@ -637,7 +648,7 @@ def _progress(enabled: bool) -> Progress:
 
 @dataclass
 class _Tally:
-    order: list[str] = field(default_factory=list)  # every id read, in input order
+    read: int = 0  # ids read, skipped ones included
     skipped: int = 0
     succeeded: int = 0
     failed: int = 0
@@ -667,11 +678,11 @@ async def _run(
             batcher = _Batcher(options.batch_atoms, options.batch_structures)
             async for entry in _entries(inputs):
                 item = entry if isinstance(entry, _Item) else entry.item
-                tally.order.append(item.id)
+                tally.read += 1
                 if item.id in finished:
                     tally.skipped += 1
                     continue
-                progress.update(task, total=len(tally.order) - tally.skipped)
+                progress.update(task, total=tally.read - tally.skipped)
                 if isinstance(entry, _Outcome):  # a frame that does not parse
                     record(entry)
                 elif (full := batcher.add(entry)) is not None:
@@ -714,9 +725,9 @@ async def _screen(
         try:
             await _run(backend, store, inputs, options, tally)
         finally:
-            store.write_summary(tally.order)
+            store.write_summary(_distinct_sources(inputs))
     return ScreenReport(
-        total=len(tally.order),
+        total=tally.read,
         skipped=tally.skipped,
         succeeded=tally.succeeded,
         failed=tally.failed,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +24,7 @@ from ase.md.verlet import VelocityVerlet
 from ase.optimize import BFGS
 
 from clients import SO2Calculator, SO2LocalCalculator
+from clients._properties import SerialCalculator
 from clients.http import ServiceError
 from service.api import ServiceSettings, create_app
 from tests.service.fakes import (
@@ -297,26 +300,20 @@ THREADED_CALLS = 300
 """Per thread: enough for the unguarded calculators to fail every run of this test."""
 
 
-@pytest.mark.parametrize("kind", ["http", "local"])
-def test_one_calculator_shared_by_threads_answers_each_for_its_own_atoms(
-    server: tuple[str, PairPotential], kind: str
+def assert_each_thread_gets_its_own_forces(
+    forces_of: Callable[[Atoms], np.ndarray], calls: int = THREADED_CALLS
 ) -> None:
-    # ASE keeps the last atoms and results on the calculator: without taking calls one at a
-    # time, a thread could return the results another thread's structure left there.
+    """Two threads ask ``forces_of`` (one shared calculator) for the forces of two different
+    structures, changed every call so that every call computes."""
     structures = [small_molecule("CH3OH", seed=1), rattled_copper(1, seed=2)]
-    calc = (
-        SO2Calculator(server[0], spin_lead_ms=0)
-        if kind == "http"
-        else SO2LocalCalculator(PairPotential())
-    )
     failures: list[str] = []
 
     def worker(k: int) -> None:
-        for step in range(THREADED_CALLS):
+        for step in range(calls):
             atoms = structures[k].copy()
             atoms.positions[0, 0] += 1e-4 * (step % 2)  # a change: every call computes
             try:
-                forces = calc.get_property("forces", atoms)
+                forces = forces_of(atoms)
             except Exception as exc:  # e.g. results reset by the other thread
                 failures.append(f"thread {k} step {step}: {exc!r}")
                 continue
@@ -335,3 +332,86 @@ def test_one_calculator_shared_by_threads_answers_each_for_its_own_atoms(
     finally:
         sys.setswitchinterval(interval)
     assert not failures, failures[:5]
+
+
+@pytest.mark.parametrize("kind", ["http", "local"])
+def test_one_calculator_shared_by_threads_answers_each_for_its_own_atoms(
+    server: tuple[str, PairPotential], kind: str
+) -> None:
+    # ASE keeps the last atoms and results on the calculator: without taking calls one at a
+    # time, a thread could return the results another thread's structure left there.
+    calc = (
+        SO2Calculator(server[0], spin_lead_ms=0)
+        if kind == "http"
+        else SO2LocalCalculator(PairPotential())
+    )
+    assert_each_thread_gets_its_own_forces(lambda atoms: calc.get_property("forces", atoms))
+
+
+def test_atoms_get_properties_takes_its_turn_on_a_shared_calculator() -> None:
+    # Atoms.get_properties goes through Calculator.calculate_properties, not get_property.
+    calc = SO2LocalCalculator(PairPotential())
+
+    def forces_of(atoms: Atoms) -> np.ndarray:
+        atoms.calc = calc
+        forces: np.ndarray = atoms.get_properties(["forces"])["forces"]
+        return forces
+
+    assert_each_thread_gets_its_own_forces(forces_of)
+
+
+def test_info_takes_its_turn_on_a_shared_calculator(server: tuple[str, PairPotential]) -> None:
+    # info() and the property calls share the calculator's one connection.
+    calc = SO2Calculator(server[0], spin_lead_ms=0)
+
+    def forces_of(atoms: Atoms) -> np.ndarray:
+        assert calc.info()["model"]["name"] == "pair-test"
+        forces: np.ndarray = calc.get_property("forces", atoms)
+        return forces
+
+    assert_each_thread_gets_its_own_forces(forces_of, calls=50)
+
+
+class _HeldInTheParent(SerialCalculator):
+    """Energy = number of atoms; a call in the process that made it waits for ``release``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.implemented_properties = ["energy"]
+        self.parent = os.getpid()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def calculate(
+        self, atoms: Any = None, properties: Any = None, system_changes: Any = None
+    ) -> None:
+        super().calculate(atoms, properties, system_changes)  # type: ignore[no-untyped-call]
+        if os.getpid() == self.parent:
+            self.entered.set()
+            self.release.wait()
+        self.results = {"energy": float(len(atoms))}
+
+
+def _energy_of_two_atoms(calc: _HeldInTheParent) -> None:
+    assert calc.get_property("energy", Atoms("H2", positions=[[0, 0, 0], [0, 0, 0.7]])) == 2.0
+
+
+def test_a_process_forked_during_another_threads_call_can_use_the_calculator() -> None:
+    # The fork copies the lock held by a thread that does not exist in the child.
+    calc = _HeldInTheParent()
+    busy = threading.Thread(target=calc.get_property, args=("energy", Atoms("H")))
+    busy.start()
+    try:
+        assert calc.entered.wait(10)
+        child = multiprocessing.get_context("fork").Process(
+            target=_energy_of_two_atoms, args=(calc,)
+        )
+        child.start()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            pytest.fail("the forked process waits forever for the calculator")
+        assert child.exitcode == 0
+    finally:
+        calc.release.set()
+        busy.join()

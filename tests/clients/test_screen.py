@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
+from pydantic import SecretStr
 from typer.testing import CliRunner
 
 from clients import screen as screen_module
@@ -26,6 +27,7 @@ from clients.screen import (
     READ_CHUNK,
     RESULTS_FILE,
     SUMMARY_FILE,
+    ScreenAborted,
     ScreenOptions,
     screen,
 )
@@ -396,3 +398,30 @@ def test_the_first_batches_run_before_the_inputs_are_read(
     report = screen([path], options, evaluator=probe)
     assert (report.total, report.succeeded) == (total, total)
     assert probe.parsed_at_first_pass is not None and probe.parsed_at_first_pass < total
+
+
+def test_an_aborted_resumed_run_writes_its_summary_in_input_order(tmp_path: Path) -> None:
+    """A run that stops before it has read all of its inputs (here a key the service refuses)
+    still writes summary.csv in input order, with the rows of earlier runs that it had not yet
+    read again among the rest (the journal holds them in completion order: an unreadable frame
+    is recorded while the frames before it are still being evaluated)."""
+    earlier = tmp_path / "earlier.extxyz"
+    ase.io.write(earlier, water_frames(3))
+    spoil_coordinate(earlier, 2)
+    out = tmp_path / "out"
+    assert screen_locally([earlier], out) == (3, 2, 1, 0)
+    new = tmp_path / "new.extxyz"
+    ase.io.write(new, water_frames(12))
+    settings = ServiceSettings(api_key=SecretStr("the-right-key"))
+    with running_server(create_app(settings, evaluator=PairPotential())) as url:
+        options = ScreenOptions(
+            output_dir=out,
+            url=url,
+            api_key="a-wrong-key",
+            concurrency=1,
+            batch_structures=1,
+            progress=False,
+        )
+        with pytest.raises(ScreenAborted):
+            screen([new, earlier], options)
+    assert [r["id"] for r in summary_rows(out)] == [f"{earlier}@{k}" for k in range(3)]
