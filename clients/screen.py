@@ -499,18 +499,19 @@ def _portable_value(value: Any) -> bool:
     return False
 
 
-async def _entries(paths: Sequence[Path]) -> AsyncIterator[_Item | _Outcome]:
-    """Every structure of every file in order, each malformed frame a failure of its own,
-    parsed in a thread (``READ_CHUNK`` frames at a time) so that the first batches are
-    evaluated while the rest is read. A path given more than once (overlapping shell globs)
-    is read once: its structures' ids would collide."""
-    frames = itertools.chain.from_iterable(map(_read_frames, _distinct_sources(paths)))
+async def _entries(sources: Sequence[str]) -> AsyncIterator[_Item | _Outcome]:
+    """Every structure of every file of ``sources`` (:func:`_distinct_sources`) in order, each
+    malformed frame a failure of its own, parsed in a thread (``READ_CHUNK`` frames at a time)
+    so that the first batches are evaluated while the rest is read."""
+    frames = itertools.chain.from_iterable(map(_read_frames, sources))
     while chunk := await asyncio.to_thread(_take, frames, READ_CHUNK):
         for entry in chunk:
             yield entry
 
 
 def _distinct_sources(paths: Sequence[Path]) -> list[str]:
+    """The input paths as given, each once: a path given twice (overlapping shell globs) would
+    give its structures colliding ids."""
     return list(dict.fromkeys(str(p) for p in paths))
 
 
@@ -657,7 +658,7 @@ class _Tally:
 async def _run(
     backend: _Backend,
     store: _ResultStore,
-    inputs: Sequence[Path],
+    sources: Sequence[str],
     options: ScreenOptions,
     tally: _Tally,
 ) -> None:
@@ -676,7 +677,7 @@ async def _run(
 
         async def produce() -> None:
             batcher = _Batcher(options.batch_atoms, options.batch_structures)
-            async for entry in _entries(inputs):
+            async for entry in _entries(sources):
                 item = entry if isinstance(entry, _Item) else entry.item
                 tally.read += 1
                 if item.id in finished:
@@ -716,6 +717,7 @@ async def _screen(
 ) -> ScreenReport:
     started = time.perf_counter()
     tally = _Tally()
+    sources = _distinct_sources(inputs)
     async with contextlib.AsyncExitStack() as cleanup:
         # The backend first: a model file that does not load leaves no output folder behind.
         backend = _backend(options, evaluator)
@@ -723,9 +725,9 @@ async def _screen(
         store = _ResultStore(options.output_dir)
         cleanup.callback(store.close)
         try:
-            await _run(backend, store, inputs, options, tally)
+            await _run(backend, store, sources, options, tally)
         finally:
-            store.write_summary(_distinct_sources(inputs))
+            store.write_summary(sources)
     return ScreenReport(
         total=tally.read,
         skipped=tally.skipped,
