@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|devices|sweep-rest|sweep-exact|grid-stack-fast|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -36,6 +36,9 @@ case "$topic" in
     ;;
   tests-rest)  # every other gpu test (graph, model, service, clients, training)
     STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu tests/graph tests/model tests/service tests/clients tests/training
+    ;;
+  cold-start)  # a fresh server process: imports, model load, warm-up, first requests (empty, then warm Triton cache)
+    STEP_S=${COLD_S:-500} run python3 benchmarks/cold_start.py "$@"
     ;;
   devices)  # every visible GPU behind one queue: the engine, then so2serve screen over HTTP and in process
     STEP_S=${DEVICES_S:-300} run python3 benchmarks/devices.py "$@"

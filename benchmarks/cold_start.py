@@ -1,0 +1,174 @@
+"""What a fresh server process pays before and on its first requests.
+
+    python3 benchmarks/cold_start.py [--scenarios fresh-cache warm-cache] [--out-dir ...]
+
+Each scenario runs in its own interpreter (cold imports, empty in-process kernel caches) with
+``TRITON_CACHE_DIR`` pointing at an empty directory (``fresh-cache``: a new machine or container)
+or at the one the previous scenario filled (``warm-cache``: a restart on the same machine). The
+child times, in order: importing torch and the service, loading the shipped default model onto
+the GPU, the server's warm-up pass (:meth:`service.engine.worker.Worker.warm_up`), and then the
+first and second evaluation of each workload below, through the same ``Worker.run`` the server
+calls. Every in-process kernel-cache miss of a Triton kernel (a compile, or a load from the disk
+cache) is counted per step through Triton's ``jit_cache_hook``, with the kernel's name and the
+argument specialisation that missed, so a step that compiles can be traced to the cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+WORKLOADS = (
+    "water-192",
+    "water-192-x21",
+    "water-1536",
+    "water-1535",
+    "molecule-96",
+    "triclinic-12",
+    "water-12288",
+)
+"""First-request shapes a server meets: one liquid box, a screening batch (21 boxes, 4,032 atoms),
+a larger box and the same with one atom removed (odd sizes), a molecule without a cell, a small
+sheared cell (several periodic images), and a box too large for graph replay (eager path)."""
+
+
+def _workload(name: str) -> Any:
+    import numpy as np
+    from ase import Atoms
+
+    from benchmarks.service import water_atoms
+    from service.graph.structures import Structures
+
+    if name == "water-192-x21":
+        return Structures.from_atoms([water_atoms(192, seed=k) for k in range(21)])
+    if name == "water-1535":
+        atoms = water_atoms(1536, seed=1)
+        del atoms[-1]
+        return Structures.from_atoms([atoms])
+    if name == "molecule-96":
+        atoms = water_atoms(192, seed=2)[:96]
+        atoms.pbc, atoms.cell = False, np.zeros((3, 3))
+        return Structures.from_atoms([atoms])
+    if name == "triclinic-12":
+        rng = np.random.default_rng(3)
+        cell = np.array([[4.6, 0.0, 0.0], [1.1, 4.4, 0.0], [0.7, 0.9, 4.8]])
+        frac = (np.arange(12)[:, None] * np.array([0.37, 0.61, 0.23])) % 1.0
+        positions = frac @ cell + rng.normal(scale=0.02, size=(12, 3))
+        atoms = Atoms(numbers=[8, 1, 1] * 4, positions=positions, cell=cell, pbc=True)
+        return Structures.from_atoms([atoms])
+    n_atoms = int(name.split("-")[1])
+    return Structures.from_atoms([water_atoms(n_atoms, seed=0)])
+
+
+def _child(out: Path, repeats: int, device: str, workloads: list[str]) -> None:
+    """One scenario in this (fresh) interpreter; writes its row as JSON to ``out``."""
+    started = time.perf_counter()
+    steps: list[dict[str, Any]] = []
+    misses: list[str] = []
+
+    def step(name: str, t0: float, **extra: Any) -> None:
+        took = time.perf_counter() - t0
+        row = {"step": name, "s": round(took, 3), "kernel_misses": len(misses), **extra}
+        if misses:
+            row["kernels"] = sorted(set(misses))
+        steps.append(row)
+        print(f"  {name:<28} {took:8.2f} s  {len(misses):3d} kernel misses", flush=True)
+        misses.clear()
+
+    t0 = time.perf_counter()
+    import torch
+
+    step("import torch", t0)
+    t0 = time.perf_counter()
+    import triton
+    from triton import knobs
+
+    from service.engine import ServiceMetrics, Worker
+    from service.engine.evaluator import model_elements
+    from service.model.potential import load_potentials
+
+    step("import service", t0)
+
+    def on_miss(*_: Any, **kw: Any) -> bool:
+        fn = kw.get("fn")
+        # ``repr`` already names the kernel, its launch options and each argument's specialisation.
+        misses.append(str(kw.get("repr") or getattr(fn, "name", fn))[:600])
+        return False
+
+    knobs.runtime.jit_cache_hook = on_miss
+
+    t0 = time.perf_counter()
+    (potential,) = load_potentials(None, devices=device)
+    worker = Worker(potential, ServiceMetrics())
+    step("load default model", t0)
+    t0 = time.perf_counter()
+    worker.warm_up(model_elements(potential.info()))
+    step("server warm-up", t0)
+    properties = frozenset(("energy", "forces", "stress"))
+    for name in workloads:
+        structures = _workload(name)
+        for k in range(repeats):
+            t0 = time.perf_counter()
+            output = worker.run([structures], properties)
+            if output.failures:
+                raise next(iter(output.failures.values()))
+            step(f"{name} #{k + 1}", t0, atoms=int(structures.n_atoms))
+    report = {
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+        "total_s": round(time.perf_counter() - started, 2),
+        "steps": steps,
+    }
+    out.write_text(json.dumps(report, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", nargs="+", default=["fresh-cache", "warm-cache"])
+    parser.add_argument("--repeats", type=int, default=2, help="evaluations of each workload")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--device", default="cuda:0", help="cpu: a smoke test of the script")
+    parser.add_argument("--label", default="", help="recorded with the results (e.g. a commit)")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        _child(args.child, args.repeats, args.device, args.workloads)
+        return
+
+    from benchmarks.common import write_results
+
+    cache = Path(tempfile.mkdtemp(prefix="so2serve-triton-cache-"))
+    rows = []
+    for scenario in args.scenarios:
+        if scenario not in ("fresh-cache", "warm-cache"):
+            raise SystemExit(f"unknown scenario {scenario!r}")
+        if scenario == "fresh-cache":
+            cache = Path(tempfile.mkdtemp(prefix="so2serve-triton-cache-"))
+        print(f"{scenario} (TRITON_CACHE_DIR={cache})", flush=True)
+        result = Path(tempfile.mkstemp(suffix=".json")[1])
+        env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+        command = [sys.executable, __file__, "--child", str(result), "--repeats", str(args.repeats)]
+        command += ["--device", args.device, "--workloads", *args.workloads]
+        t0 = time.perf_counter()
+        subprocess.run(command, env=env, check=True, cwd=ROOT)
+        row = {"scenario": scenario, "process_s": round(time.perf_counter() - t0, 2)}
+        rows.append({**row, **json.loads(result.read_text())})
+    write_results(args.out_dir, "cold_start", rows, label=args.label)
+
+
+if __name__ == "__main__":
+    main()
