@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # before benchmarks/, whose service.py would shadow the package
 
 WORKLOADS = (
     "water-192",
