@@ -100,9 +100,23 @@ def _child(out: Path, repeats: int, device: str, workloads: list[str]) -> None:
     step("import service", t0)
 
     def on_miss(*_: Any, **kw: Any) -> bool:
-        fn = kw.get("fn")
-        # ``repr`` already names the kernel, its launch options and each argument's specialisation.
-        misses.append(str(kw.get("repr") or getattr(fn, "name", fn))[:600])
+        fn, key = kw.get("fn"), kw.get("key")
+        jit = getattr(fn, "jit_function", None)
+        name = getattr(fn, "name", str(fn))
+        try:  # key[0]: one (type, specialisation) pair per parameter, constexprs as such
+            specs = [
+                f"{arg}={kind}:{spec}"
+                for arg, (kind, spec) in zip(jit.arg_names, key[0], strict=True)
+                if kind != "constexpr"
+            ]
+            consts = [
+                f"{arg}={spec}"
+                for arg, (kind, spec) in zip(jit.arg_names, key[0], strict=True)
+                if kind == "constexpr"
+            ]
+            misses.append(f"{name}({', '.join(specs)}) [{', '.join(consts)}] {key[1]}")
+        except (AttributeError, TypeError, ValueError):  # another Triton's hook arguments
+            misses.append(f"{name} {key}"[:3000])
         return False
 
     knobs.runtime.jit_cache_hook = on_miss
