@@ -29,17 +29,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before benchmarks/, whose service.py would shadow the package
 
 WORKLOADS = (
+    "water-12288",
+    "molecule-96",
     "water-192",
     "water-192-x21",
     "water-1536",
     "water-1535",
-    "molecule-96",
     "triclinic-12",
-    "water-12288",
 )
-"""First-request shapes a server meets: one liquid box, a screening batch (21 boxes, 4,032 atoms),
-a larger box and the same with one atom removed (odd sizes), a molecule without a cell, a small
-sheared cell (several periodic images), and a box too large for graph replay (eager path)."""
+"""First-request shapes a server meets: a box too large for graph replay (eager path), a molecule
+without a cell, one liquid box, a screening batch (21 boxes, 4,032 atoms), a larger box and the
+same with one atom removed (odd sizes), and a small sheared cell (several periodic images)."""
 
 
 def _workload(name: str) -> Any:

@@ -331,6 +331,13 @@ def persistent_grid(n_tiles: int, tile: TileConfig, device: torch.device) -> tup
     return (max(1, min(n_tiles, sms * per_sm)),)
 
 
+PER_CALL_ARGS = ("n_edge", "layer")
+"""Kernel arguments that change from call to call (the edge count, the layer of the stack). Triton
+would otherwise compile a variant per value class (1, a multiple of 16, other): a server's first
+requests of a new size, and each layer of a pass, would each compile the same kernel again. They
+only bound masks and offset whole rows, so nothing is lost by not specialising on them."""
+
+
 # Triton: the shared tile product
 
 
@@ -523,7 +530,7 @@ def _block_fwd_epilogue(
             tl.store(out_rows[:, None] + cols[None, :], u_tile + silu, mask=scalar_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
 def block_fwd_kernel(
     u_ptr,  # (F, E, ROW) layer input
     w_ptr,  # (NL, F, W, W) block weights
@@ -569,7 +576,7 @@ def block_fwd_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
 def block_fwd_desc_kernel(
     u_desc,  # fp32 (F·E, ROW) descriptor over the layer input, block (BLOCK_M, BLOCK_K)
     w_desc,  # fp16 (NL·F·W, W) descriptor over the weight heads, block (BLOCK_K, BLOCK_N)
@@ -626,7 +633,7 @@ def block_fwd_desc_kernel(
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
 def gate_fwd_kernel(
     z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
     gw_ptr,  # (NG, F, FD, GWD) gate projections (fp16 head when FAST)
@@ -745,7 +752,7 @@ def _gate_rows_bwd(
     tl.store(q_rows[:, None] + cols[None, :], dot_gz * gate * (1.0 - gate), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
 def gate_bwd_kernel(
     z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
     gw_ptr,  # (NG, F, FD, GWD) (fp16 head when FAST)
@@ -775,7 +782,7 @@ def gate_bwd_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
 def gate_bwd_split_kernel(
     z_ptr,  # (NG, F, E, ROW) pre-activations; layer ``layer`` is read
     gw_ptr,  # (NG, F, FD, GWD) fp16 head
@@ -837,7 +844,7 @@ def _scalar_rows_bwd(
         tl.store(uprev_ptr + act_at, u_tile - s * phi, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
 def scalar_bwd_kernel(
     q_ptr,  # (F, E, GWD) gate-logit cotangent
     gwt_ptr,  # (NG, F, GWD, FD) transposed gate projections (fp16 head when FAST)
@@ -864,7 +871,7 @@ def scalar_bwd_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
 def scalar_bwd_split_kernel(
     q_ptr,  # (F, E, GWD) gate-logit cotangent
     gwt_ptr,  # (NG, F, GWD, FD) transposed gate projections, fp16 head
@@ -968,7 +975,7 @@ def _block_bwd_finish(
         tl.store(part_ptr + (rows * n_focus + focus) * N_SLOTS + slot, grad_x, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
 def block_bwd_kernel(
     a_ptr,  # (F, E, ROW) pre-activation cotangent; (E, F, ROW) output cotangent when FINAL
     wt_ptr,  # (NL, F, W, W) transposed block weights
@@ -1015,7 +1022,7 @@ def block_bwd_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
 def block_bwd_desc_kernel(
     a_desc,  # FINAL: fp32 (E, F, ROW) descriptor over the output cotangent, block
     # (BLOCK_M, 1, BLOCK_K); else fp16 (2·F·E, ROW) over the split cotangent planes

@@ -420,7 +420,8 @@ def _gather_edge_tile(
 # Forward kernel: one program per BLOCK_E consecutive edges, all channels.
 
 
-@triton.jit
+# n_items only bounds the last tile: one compilation serves every edge count.
+@triton.jit(do_not_specialize=("n_items",))
 def _rotate_mix_fwd_kernel(
     feat_ptr, index_ptr, rot_ptr, coef_ptr, basis_ptr, out_ptr,
     n_items, node_stride, rot_edge_stride,

@@ -307,7 +307,8 @@ def _walk_source_segment(
     return rows, cb_acc
 
 
-@triton.jit
+# n_edge only bounds the last tile: one compilation serves every edge count.
+@triton.jit(do_not_specialize=("n_edge",))
 def _rotate_mix_bwd_kernel(
     gu_ptr, x_ptr, w_ptr, kc_ptr, cb_ptr, order_ptr, rowptr_ptr,
     gx_ptr, gw_ptr, gkc_ptr, gcb_ptr,
@@ -333,7 +334,8 @@ def _rotate_mix_bwd_kernel(
         _store_basis_partial(gcb_ptr, node, cb_acc, cvec, c_mask, RANK, WD)
 
 
-@triton.jit
+# n_edge only bounds the last tile: one compilation serves every edge count.
+@triton.jit(do_not_specialize=("n_edge",))
 def _rotate_mix_bwd_csr_kernel(
     gu_ptr, x_ptr, src_ptr, w_ptr, kc_ptr, cb_ptr, order_ptr, rowptr_ptr,
     gx_ptr, part_ptr, gw_ptr, gkc_ptr, gcb_ptr,
@@ -404,7 +406,8 @@ def _finish_split_nodes_kernel(
     tl.store(gx_ptr + node * (DIM * WD) + block, total, mask=in_block & (split | no_edges))
 
 
-@triton.jit
+# n_edge only bounds the last tile: one compilation serves every edge count.
+@triton.jit(do_not_specialize=("n_edge",))
 def _rotate_mix_bwd_edge_kernel(
     gu_ptr, x_ptr, src_ptr, w_ptr, kc_ptr, cb_ptr,
     gxe_ptr, gw_ptr, gkc_ptr, gcb_ptr,

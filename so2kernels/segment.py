@@ -223,13 +223,14 @@ def _column_block(n_cols: int) -> int:
     return int(min(1024, max(16, triton.next_power_of_2(max(n_cols, 1)))))
 
 
-def _position_block(n_rows: int, n_segments: int, block_p: int) -> int:
-    """Segment positions per loop step, from the mean segment length (a host-side shape ratio,
-    no sync): ≥ 4 keeps several row loads in flight; long segments of narrow rows (per-atom sums
-    of 3–9 columns over ~10² edges, per-structure sums over 10⁶ atoms) take up to a full tile
-    per step instead of serialising thousands of tiny ones."""
-    mean_length = -(-n_rows // max(n_segments, 1))
-    return int(max(4, min(triton.next_power_of_2(max(mean_length, 1)), _TILE_ELEMENTS // block_p)))
+def _position_block(block_p: int) -> int:
+    """Segment positions per loop step: the widest tile that fits in registers. Long segments of
+    narrow rows (per-atom sums of 3–9 columns over ~10² edges, per-structure sums over 10⁶
+    atoms) then take a full tile per step instead of serialising thousands of tiny ones; short
+    ones leave most of it masked, which costs issue slots, not memory traffic. It depends on the
+    row width only, not on the mean segment length: STEP is a compile-time constant, and a
+    server would otherwise compile a variant for every octave of batch shape it meets."""
+    return max(4, _TILE_ELEMENTS // block_p)
 
 
 def _as_matrix(t: Tensor) -> Tensor:
@@ -242,20 +243,20 @@ def _as_matrix(t: Tensor) -> Tensor:
 def _launch_segment_sum(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
     n_seg = row_ptr.size(0) - 1
     result = rows.new_empty((n_seg, *rows.shape[1:]))
-    return _run_csr_kernel(_csr_reduce_kernel, rows, order, row_ptr, result, rows.shape[0])
+    return _run_csr_kernel(_csr_reduce_kernel, rows, order, row_ptr, result)
 
 
 def _launch_segment_broadcast(
     values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int
 ) -> Tensor:
     result = values.new_empty((n_rows, *values.shape[1:]))
-    return _run_csr_kernel(_csr_spread_kernel, values, order, row_ptr, result, n_rows)
+    return _run_csr_kernel(_csr_spread_kernel, values, order, row_ptr, result)
 
 
 def _run_csr_kernel(
-    kernel: Any, source: Tensor, order: Tensor | None, row_ptr: Tensor, result: Tensor, n_pos: int
+    kernel: Any, source: Tensor, order: Tensor | None, row_ptr: Tensor, result: Tensor
 ) -> Tensor:
-    """One program per (segment, column chunk) of ``kernel`` over ``n_pos`` CSR positions;
+    """One program per (segment, column chunk) of ``kernel`` over the CSR positions;
     fills and returns ``result`` (left as is when there is nothing to do)."""
     n_seg = row_ptr.size(0) - 1
     flat = _as_matrix(source)
@@ -263,7 +264,7 @@ def _run_csr_kernel(
     if width == 0 or n_seg == 0:
         return result
     chunk = _column_block(width)
-    step = _position_block(n_pos, n_seg, chunk)
+    step = _position_block(chunk)
     # The kernels index the CSR with unit stride; a column of an edge table is a strided view.
     perm = (row_ptr if order is None else order).contiguous()
     wrap_triton(kernel)[(n_seg, triton.cdiv(width, chunk))](

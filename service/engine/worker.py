@@ -267,16 +267,20 @@ class Worker:
         )
 
     def warm_up(self, numbers: Sequence[int]) -> None:
-        """One small periodic pass through every property, so the first request pays no
-        one-time costs (kernel compilation, allocator growth, lazy initialisation)."""
+        """Small passes through every property, so that the first requests pay no one-time
+        costs (kernel compilation, allocator growth, lazy initialisation): the same eight atoms
+        in a periodic cell smaller than the cutoff (several images of each atom) and without a
+        cell (one image: the neighbour search compiles that case separately). Every other
+        kernel variant depends only on the model, not on the size of what is sent."""
         grid = np.stack(np.meshgrid(*(np.arange(2.0),) * 3, indexing="ij"), -1).reshape(-1, 3)
         positions = 2.1 * grid + 0.05 * np.arange(grid.shape[0])[:, None]
         species = [numbers[k % len(numbers)] for k in range(grid.shape[0])]
-        item = StructureArrays(numbers=species, positions=positions, cell=4.2 * np.eye(3), pbc=None)
-        structures = Structures.from_arrays([item])
-        output = self.run([structures], frozenset(("energy", "forces", "stress", "energies")))
-        if output.failures:
-            raise next(iter(output.failures.values()))
+        for cell in (4.2 * np.eye(3), None):
+            item = StructureArrays(numbers=species, positions=positions, cell=cell, pbc=None)
+            structures = Structures.from_arrays([item])
+            output = self.run([structures], frozenset(("energy", "forces", "stress", "energies")))
+            if output.failures:
+                raise next(iter(output.failures.values()))
 
     def _evaluate(
         self,

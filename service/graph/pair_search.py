@@ -170,7 +170,12 @@ def _inverse_frames(cells: Tensor, pbc: Tensor) -> NDArray[np.float64]:
 # pays per operation (and per helper call), a GPU does not care.
 
 
-@triton.jit(do_not_specialize=("edge_capacity",))
+# The capacity changes per batch, and the two (1,) scalars are views at offsets that change with
+# N: specialising on their values or alignment would compile a variant per batch shape.
+@triton.jit(
+    do_not_specialize=("edge_capacity",),
+    do_not_specialize_on_alignment=("atom_count", "close_flag"),
+)
 def _direct_pairs_kernel(
     positions,  # (N, 3) contiguous, float64 or float32
     cells,  # (B, 3, 3) contiguous, positions' dtype

@@ -1,0 +1,101 @@
+"""The server's warm-up pass covers what the first requests would otherwise compile.
+
+On the CPU: the warm-up evaluates a periodic cell smaller than the cutoff and a structure without
+a cell, for every property. On the GPU (``gpu`` marker): in a fresh interpreter, after
+``Worker.warm_up``, requests of other sizes and kinds (a molecule, a liquid-like box, a batch,
+odd atom counts, a box past graph replay's limit) miss no Triton kernel cache: no request pays a
+compilation.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from service.engine import ServiceMetrics, Worker
+from service.graph.structures import Structures
+from tests.service.fakes import REPO, PairPotential
+
+
+@dataclass
+class RecordingPotential(PairPotential):
+    seen: list[tuple[bool, frozenset[str]]] = field(default_factory=list)
+
+    def predict(self, structures: Structures, properties: Collection[str]) -> object:
+        periodic = bool(structures.pbc.any())
+        self.seen.append((periodic, frozenset(properties)))
+        return super().predict(structures, properties)
+
+
+def test_warm_up_covers_periodic_images_and_cell_less_structures() -> None:
+    potential = RecordingPotential(rcut=6.0, elements=("H", "O"))
+    Worker(potential, ServiceMetrics()).warm_up([1, 8])
+    assert [periodic for periodic, _ in potential.seen] == [True, False]
+    for _, properties in potential.seen:
+        assert {"energy", "forces", "stress", "energies"} <= properties
+
+
+_FIRST_REQUESTS = r"""
+import json, sys
+import numpy as np
+from triton import knobs
+from service.engine import ServiceMetrics, Worker
+from service.engine.evaluator import model_elements
+from service.graph.structures import StructureArrays, Structures
+from service.model.potential import load_potentials
+
+(potential,) = load_potentials(None, devices="cuda:0")
+worker = Worker(potential, ServiceMetrics())
+worker.warm_up(model_elements(potential.info()))
+misses = []
+knobs.runtime.jit_cache_hook = lambda *a, **kw: misses.append(str(kw.get("repr"))[:300]) and False
+
+def lattice(shape, periodic, seed, drop=0):
+    # Water-like density (0.1 atoms/Å³), jittered so no two structures are alike.
+    grid = np.stack(np.meshgrid(*(np.arange(n) for n in shape), indexing="ij"), -1)
+    pos = 2.15 * grid.reshape(-1, 3).astype(float)
+    pos += np.random.default_rng(seed).normal(scale=0.05, size=pos.shape)
+    pos = pos[: len(pos) - drop]
+    numbers = [8 if k % 3 == 0 else 1 for k in range(len(pos))]
+    cell = 2.15 * np.diag(shape).astype(float) if periodic else None
+    return StructureArrays(numbers=numbers, positions=pos, cell=cell, pbc=None)
+
+requests = {
+    "molecule of 21 atoms": [lattice((3, 7, 1), False, 1)],
+    "box of 192 atoms": [lattice((4, 6, 8), True, 2)],
+    "batch of 5 boxes": [lattice((4, 4, 4), True, 3 + k) for k in range(5)],
+    "box of 1,535 atoms": [lattice((12, 12, 11), True, 9, drop=49)],
+    "box of 4,913 atoms (no replay)": [lattice((17, 17, 17), True, 10)],
+}
+report = {}
+for name, items in requests.items():
+    out = worker.run([Structures.from_arrays(items)], frozenset(("energy", "forces", "stress")))
+    assert not out.failures, out.failures
+    report[name] = list(misses)
+    misses.clear()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.gpu
+def test_first_requests_after_warm_up_compile_nothing() -> None:
+    if torch.cuda.device_count() == 0:  # pragma: no cover - skipped by the marker
+        pytest.skip("needs CUDA")
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_REQUESTS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    compiled = {name: kernels for name, kernels in report.items() if kernels}
+    assert not compiled, json.dumps(compiled, indent=1)
