@@ -155,6 +155,9 @@ async def _start(state: ServiceState, evaluators: Sequence[Evaluator] | None) ->
     devices = ",".join(engine.devices)
     await engine.start()
     if state.settings.warm_up:
+        # Silence of half a minute on a new machine would look like a hang.
+        compiles = " (compiles the GPU kernels unless Triton's cache has them: ~30 s)"
+        log.info("warming up on %s%s", devices, compiles if "cuda" in devices else "")
         await engine.warm_up(elements)
     state.provenance = {
         "model": {"name": str(info.get("name", "")), "sha256": str(info.get("sha256", ""))},
