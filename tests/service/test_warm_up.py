@@ -4,7 +4,7 @@ On the CPU: the warm-up evaluates a periodic cell smaller than the cutoff and a 
 a cell, for every property. On the GPU (``gpu`` marker): in a fresh interpreter, after
 ``Worker.warm_up``, requests of other sizes and kinds (a molecule, a liquid-like box, a batch,
 odd atom counts, a box past graph replay's limit) miss no Triton kernel cache: no request pays a
-compilation.
+compilation, in either precision tier.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from service.engine.evaluator import model_elements
 from service.graph.structures import StructureArrays, Structures
 from service.model.potential import load_potentials
 
-(potential,) = load_potentials(None, devices="cuda:0")
+(potential,) = load_potentials(None, devices="cuda:0", precision=sys.argv[1])
 worker = Worker(potential, ServiceMetrics())
 worker.warm_up(model_elements(potential.info()))
 misses = []
@@ -84,11 +84,12 @@ print(json.dumps(report))
 
 
 @pytest.mark.gpu
-def test_first_requests_after_warm_up_compile_nothing() -> None:
+@pytest.mark.parametrize("precision", ["fp32", "fp16x3"])
+def test_first_requests_after_warm_up_compile_nothing(precision: str) -> None:
     if torch.cuda.device_count() == 0:  # pragma: no cover - skipped by the marker
         pytest.skip("needs CUDA")
     done = subprocess.run(
-        [sys.executable, "-c", _FIRST_REQUESTS],
+        [sys.executable, "-c", _FIRST_REQUESTS, precision],
         cwd=REPO,
         capture_output=True,
         text=True,
