@@ -15,6 +15,8 @@
   ``summary.csv`` (one row per structure, in input order: status, energy, energy per atom,
   max force, error), ``journal.jsonl`` (the resume log).
 * Failures: transient ones (connection, 502/503/504) are retried with exponential backoff; a
+  batch without an answer within the timeout is not sent again (the server may still be
+  computing it): its structures are recorded as failed with code ``timeout``. A
   structure the service rejects (422/413/507/500) is recorded as failed and the rest of its
   batch is resubmitted, so one bad structure costs nothing else; its row's message is about it
   alone (no place in a batch). Authentication and addressing errors (401/403/404/415, 501
@@ -58,7 +60,6 @@ from rich.progress import (
     Task,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.text import Text
 
@@ -147,7 +148,7 @@ class _Rejected(Exception):
 
 
 class _GaveUp(Exception):
-    """Transient failures persisted through every retry."""
+    """No answer for the batch: transient failures through every retry, or none in time."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -206,6 +207,14 @@ class _HttpBackend:
                 response = await self._client.post(
                     "/evaluate", content=body, headers={"Content-Type": "application/msgpack"}
                 )
+            except httpx.ReadTimeout as exc:
+                # Not sent again: the server may still be computing it, and a copy would queue
+                # the same work behind it (the ASE calculator does not resend either).
+                raise _GaveUp(
+                    "timeout",
+                    f"no answer within {self._options.timeout_s:g} s (--timeout) for a batch of "
+                    f"{len(atoms)} structure(s); not sent again (--retry-failed reruns it)",
+                ) from exc
             except httpx.TransportError as exc:
                 if attempt == retries and isinstance(exc, _NO_CONNECTION):
                     # No structure's fault, and every other batch would go the same way.
@@ -626,10 +635,36 @@ def _about_structure_alone(message: str, index: int) -> str:
     return re.sub(rf"\bstructures\[{index}\]", "the structure", message)
 
 
+def _average_rate(task: Task) -> float | None:
+    """Structures per second since the run began. Not rich's own speed, which is taken over
+    its recent samples: results are recorded a batch at a time, all within a millisecond,
+    so after one batch that speed was thousands of structures per second (the ETA zero)."""
+    elapsed = task.finished_time if task.finished else task.elapsed
+    if not task.completed or not elapsed:
+        return None
+    return task.completed / elapsed
+
+
 class _RateColumn(ProgressColumn):
     def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text("" if speed is None else f"{speed:.1f} structures/s", style="cyan")
+        rate = _average_rate(task)
+        return Text("" if rate is None else f"{rate:.1f} structures/s", style="cyan")
+
+
+class _RemainingColumn(ProgressColumn):
+    """Time left at the run's average rate (``_average_rate``), as ``H:MM:SS``."""
+
+    def render(self, task: Task) -> Text:
+        rate = _average_rate(task)
+        if task.finished:
+            seconds = 0
+        elif rate is None or task.total is None:
+            return Text("-:--:--", style="progress.remaining")
+        else:
+            seconds = int((task.total - task.completed) / rate)
+        minutes, seconds = divmod(seconds, 60)
+        hours, minutes = divmod(minutes, 60)
+        return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
 
 
 def _progress(enabled: bool) -> Progress:
@@ -641,7 +676,7 @@ def _progress(enabled: bool) -> Progress:
         TextColumn("failed {task.fields[failed]}"),
         TimeElapsedColumn(),
         TextColumn("ETA"),
-        TimeRemainingColumn(),
+        _RemainingColumn(),
         console=Console(stderr=True),
         disable=not enabled,
     )

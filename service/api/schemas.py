@@ -66,6 +66,15 @@ def _holds_boolean(items: list[Any] | tuple[Any, ...]) -> bool:
     )
 
 
+def _numbers_or_nulls(items: list[Any]) -> bool:
+    """Whether a list, or a list of lists, holds only numbers (not booleans) and nulls."""
+    return all(
+        x is None or (type(x) is not bool and isinstance(x, int | float))
+        for item in items
+        for x in (item if isinstance(item, list) else (item,))
+    )
+
+
 def _numeric_array(value: object, info: ValidationInfo, what: str) -> object:
     """float64 array of JSON/msgpack numbers (or of a msgpack binary array, already numpy).
     Shapes, ragged nesting included, are checked with the structure
@@ -74,6 +83,11 @@ def _numeric_array(value: object, info: ValidationInfo, what: str) -> object:
         raw = np.asarray(value)
     except ValueError:
         return value
+    if raw.dtype.kind == "O" and isinstance(value, list) and _numbers_or_nulls(value):
+        # JSON has no NaN or infinity: orjson and JavaScript write them as null. Read null as
+        # NaN, so that the structure check answers as it does for msgpack and in process
+        # (non_finite_positions / non_finite_cell, naming the atom), not "not numbers".
+        return np.asarray(value, dtype=np.float64)
     if raw.dtype.kind not in "iuf" or (
         isinstance(value, list) and _check_booleans(info) and _holds_boolean(value)
     ):
