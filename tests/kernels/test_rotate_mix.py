@@ -3,6 +3,7 @@ and second order — over the regimes, plus golden slot orientation, opcheck and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -516,6 +517,24 @@ def test_csr_chunk_follows_edge_count() -> None:
     assert csr_chunk(10**9, one_warp) == high
     assert csr_chunk(100, LaunchTiles(32, 1, "csr")) == 32  # at least one edge block
     assert csr_chunk(10**6, LaunchTiles(1, 1, "csr", chunk=24)) == 24  # explicit
+
+
+def test_shipped_tile_tables_hold_valid_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every entry of every shipped rotate-mix table reads as a launch (a bad entry would fail
+    only on that GPU, at its first request of that shape)."""
+    from so2kernels import tiles
+
+    shipped = sorted(p for p in tiles.TABLES_DIR.glob("*.json") if "mixing" not in p.name)
+    assert shipped, "no rotate-mix table ships"
+    for path in shipped:
+        table = tiles.load_table(path.stem)
+        name = str(table["device"])
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        for direction in ("fwd", "bwd"):
+            for key in table.get(f"rotate_mix_{direction}", {}):
+                c_wide, lmax, rank = (int(v) for v in re.findall(r"\d+", key))
+                launch = tiles.rotate_mix_tiles(direction, c_wide, lmax, rank, torch.device("cuda"))
+                assert launch.block_e == table[f"rotate_mix_{direction}"][key]["block_e"]
 
 
 def test_tile_table_selects_variant(monkeypatch: pytest.MonkeyPatch) -> None:
