@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -83,6 +83,13 @@ case "$topic" in
     ;;
   grid-rotate-rest)  # the rotate_mix grid cases whose compiled reference hit the recompile limit on 2026-11-30 (~2.5 min)
     STEP_S=200 run python3 benchmarks/kernels_rotate_mix.py --edges 1000000 --cases 128,3,1,1 128,3,1,2 128,3,2,1 128,3,2,2 256,2,2,1 256,2,2,2 256,3,2,1 256,3,2,2
+    ;;
+  sweep-rotate-a|sweep-rotate-b)  # the rotate-mix table's keys cut on 2026-11-30, swept in full (run a and b side by side: gpu_many.sh)
+    keys=("128,3,2,2 256,2,2,2" "256,3,2,2 128,3,2,1"); k=${keys[$([ "$topic" = sweep-rotate-a ] && echo 0 || echo 1)]}
+    for key in $k; do STEP_S=290 run python3 benchmarks/sweep_tiles.py --keys "$key"; done
+    ;;
+  grid-rotate-fused)  # the rotate_mix grid at E = 1M with the shipped table, fused and eager only (~3 min)
+    STEP_S=280 run python3 benchmarks/kernels.py --ops rotate_mix --no-compile
     ;;
   grid-stack)  # issue #2's mixing-stack grid at E = 1M, both tiers, with torch.compile (~9 min)
     STEP_S=560 run python3 benchmarks/kernels.py --ops mixing_stack --per-op-timeout 550
