@@ -30,6 +30,7 @@ Units: Å, eV, eV/Å, eV/Å³. ``stress`` is ASE's: σ = (1/V) ∂E/∂ε in Voi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -57,21 +58,21 @@ def _check_booleans(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get(CHECK_BOOLEANS))
 
 
+def _leaves(items: list[Any] | tuple[Any, ...]) -> Iterator[Any]:
+    """The elements of a list, or of a list of lists."""
+    for item in items:
+        yield from item if isinstance(item, list | tuple) else (item,)
+
+
 def _holds_boolean(items: list[Any] | tuple[Any, ...]) -> bool:
     """Whether a list, or a list of lists, holds a boolean."""
-    return any(
-        type(x) is bool
-        for item in items
-        for x in (item if isinstance(item, list | tuple) else (item,))
-    )
+    return any(type(x) is bool for x in _leaves(items))
 
 
 def _numbers_or_nulls(items: list[Any]) -> bool:
     """Whether a list, or a list of lists, holds only numbers (not booleans) and nulls."""
     return all(
-        x is None or (type(x) is not bool and isinstance(x, int | float))
-        for item in items
-        for x in (item if isinstance(item, list) else (item,))
+        x is None or (type(x) is not bool and isinstance(x, int | float)) for x in _leaves(items)
     )
 
 

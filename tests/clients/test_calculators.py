@@ -156,9 +156,15 @@ def test_unreachable_service_fails_after_retries() -> None:
     assert isinstance(info.value, ServiceError) and info.value.code == "unreachable"
 
 
+NO_ANSWER = None
+"""A script entry: read the request and answer nothing (a server busy with a long pass)."""
+Script = list[tuple[int, object, dict[str, str]] | None]
+
+
 class ScriptedHandler(BaseHTTPRequestHandler):
-    """Answers POSTs from the server's ``script`` of (status, body, headers), in turn; the
-    last entry repeats. HTTP/1.1, so connections are kept alive."""
+    """Answers POSTs from the server's ``script`` of (status, body, headers), in turn, or
+    ``NO_ANSWER`` until the server shuts down; the last entry repeats. HTTP/1.1, so
+    connections are kept alive."""
 
     protocol_version = "HTTP/1.1"
 
@@ -166,7 +172,11 @@ class ScriptedHandler(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers["Content-Length"]))
         server: ScriptedServer = self.server  # type: ignore[assignment]
         server.attempts += 1
-        status, body, headers = server.script[min(server.attempts, len(server.script)) - 1]
+        entry = server.script[min(server.attempts, len(server.script)) - 1]
+        if entry is NO_ANSWER:
+            server.closing.wait(10.0)
+            return
+        status, body, headers = entry
         payload = orjson.dumps(body)
         self.send_response(status)
         for name, value in {"Content-Type": "application/json", **headers}.items():
@@ -180,10 +190,13 @@ class ScriptedHandler(BaseHTTPRequestHandler):
 
 
 class ScriptedServer(ThreadingHTTPServer):
-    def __init__(self, script: list[tuple[int, object, dict[str, str]]]) -> None:
+    daemon_threads = True
+
+    def __init__(self, script: Script) -> None:
         super().__init__(("127.0.0.1", 0), ScriptedHandler)
         self.script = script
         self.attempts = 0
+        self.closing = threading.Event()
 
     @property
     def url(self) -> str:
@@ -191,13 +204,14 @@ class ScriptedServer(ThreadingHTTPServer):
 
 
 @contextmanager
-def scripted(script: list[tuple[int, object, dict[str, str]]]) -> Iterator[ScriptedServer]:
+def scripted(script: Script) -> Iterator[ScriptedServer]:
     server = ScriptedServer(script)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         yield server
     finally:
+        server.closing.set()
         server.shutdown()
         server.server_close()
 

@@ -4,10 +4,6 @@ than ``--timeout``, and the progress bar's rate and ETA when results arrive a ba
 from __future__ import annotations
 
 import csv
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import ase.io
@@ -16,46 +12,8 @@ from rich.text import Text
 
 from clients import screen as screen_module
 from clients.screen import SUMMARY_FILE, ScreenOptions, screen
+from tests.clients.test_calculators import NO_ANSWER, scripted
 from tests.service.fakes import small_molecule
-
-
-class _SilentHandler(BaseHTTPRequestHandler):
-    """Counts POSTs and answers none of them (a server busy with a long pass)."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers["Content-Length"]))
-        server: _SilentServer = self.server  # type: ignore[assignment]
-        with server.lock:
-            server.posts += 1
-        server.release.wait(10.0)
-
-    def log_message(self, *_: object) -> None:
-        pass
-
-
-class _SilentServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _SilentHandler)
-        self.posts = 0
-        self.lock = threading.Lock()
-        self.release = threading.Event()
-
-
-@contextmanager
-def _silent_server() -> Iterator[_SilentServer]:
-    server = _SilentServer()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.release.set()
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_batch_without_an_answer_in_time_is_not_sent_again(tmp_path: Path) -> None:
@@ -65,11 +23,10 @@ def test_a_batch_without_an_answer_in_time_is_not_sent_again(tmp_path: Path) -> 
     source = tmp_path / "in.extxyz"
     ase.io.write(source, [small_molecule("H2O", seed=k) for k in range(2)])
     out = tmp_path / "out"
-    with _silent_server() as server:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with scripted([NO_ANSWER]) as server:
         options = ScreenOptions(
             output_dir=out,
-            url=url,
+            url=server.url,
             concurrency=1,
             retries=3,
             backoff_s=0.01,
@@ -77,7 +34,7 @@ def test_a_batch_without_an_answer_in_time_is_not_sent_again(tmp_path: Path) -> 
             progress=False,
         )
         report = screen([source], options)
-        posts = server.posts
+        posts = server.attempts
     assert posts == 1
     assert (report.succeeded, report.failed) == (0, 2)
     with (out / SUMMARY_FILE).open() as f:
