@@ -84,9 +84,9 @@ case "$topic" in
   grid-rotate-rest)  # the rotate_mix grid cases whose compiled reference hit the recompile limit on 2026-11-30 (~2.5 min)
     STEP_S=200 run python3 benchmarks/kernels_rotate_mix.py --edges 1000000 --cases 128,3,1,1 128,3,1,2 128,3,2,1 128,3,2,2 256,2,2,1 256,2,2,2 256,3,2,1 256,3,2,2
     ;;
-  sweep-rotate-a|sweep-rotate-b)  # the rotate-mix table's keys cut on 2026-11-30, swept in full (run a and b side by side: gpu_many.sh)
-    keys=("128,3,2,2 256,2,2,2" "256,3,2,2 128,3,2,1"); k=${keys[$([ "$topic" = sweep-rotate-a ] && echo 0 || echo 1)]}
-    for key in $k; do STEP_S=290 run python3 benchmarks/sweep_tiles.py --keys "$key"; done
+  sweep-rotate-a|sweep-rotate-b)  # the rotate-mix table's keys cut or partly swept on 2026-11-30, swept in full (run a and b side by side: gpu_many.sh)
+    keys=("128,3,2,2 256,2,2,2 256,3,2,1" "256,3,2,2 128,3,2,1"); k=${keys[$([ "$topic" = sweep-rotate-a ] && echo 0 || echo 1)]}
+    for key in $k; do STEP_S=${SWEEP_KEY_S:-180} run python3 benchmarks/sweep_tiles.py --keys "$key"; done
     ;;
   grid-rotate-fused)  # the rotate_mix grid at E = 1M with the shipped table, fused and eager only (~3 min)
     STEP_S=280 run python3 benchmarks/kernels.py --ops rotate_mix --no-compile

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import multiprocessing
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,17 +112,38 @@ def time_candidate(direction: str, tiles: LaunchTiles, ops: tuple[Any, ...], gra
     return time_ms(run, warmup=2, iters=iters)
 
 
+def validate_in_workers(jobs: list[tuple[str, LaunchTiles, tuple[int, int, int, int]]],
+                        workers: int) -> dict[tuple[str, LaunchTiles], bool]:  # fmt: skip
+    """Validate (and so compile) every candidate in ``workers`` fresh processes at once.
+
+    Compiling is what makes a sweep long (~40 candidates of 3-6 s each, one after another);
+    the workers fill Triton's on-disk cache, so the timing process below only loads kernels.
+    Validation runs at 3,000 edges, so the workers barely touch the GPU the timings use later.
+    """
+    if workers <= 1:
+        return {(d, t): validate(d, t, k) for d, t, k in jobs}
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        verdicts = pool.starmap(validate, jobs, chunksize=1)
+    return {(d, t): ok for (d, t, _), ok in zip(jobs, verdicts, strict=True)}
+
+
 def sweep_key(key: tuple[int, int, int, int], args: argparse.Namespace) -> dict[str, Any]:
     c_wide, lmax, n_focus, rank = key
+    bwd_candidates = [t for t in BWD_CANDIDATES if t.variant in args.bwd_variants]
+    # Each direction's list starts with its fallback, which is timed first.
+    plan = [
+        (d, list(dict.fromkeys([fallback_tiles(d, c_wide, lmax), *candidates])))  # type: ignore[arg-type]
+        for d, candidates in (("fwd", FWD_CANDIDATES), ("bwd", bwd_candidates))
+    ]
+    valid = validate_in_workers([(d, t, key) for d, ts in plan for t in ts], args.compile_workers)
     ops = operands(c_wide, lmax, n_focus, rank, args.edges, args.edges // args.degree)
     grad_u = torch.randn(n_focus, args.edges, n_reduced(lmax) * (c_wide // n_focus), device="cuda")
     result: dict[str, Any] = {}
-    bwd_candidates = [t for t in BWD_CANDIDATES if t.variant in args.bwd_variants]
-    for direction, candidates in (("fwd", FWD_CANDIDATES), ("bwd", bwd_candidates)):
-        fallback = fallback_tiles(direction, c_wide, lmax)  # type: ignore[arg-type]
+    for direction, candidates in plan:
+        fallback = candidates[0]
         timings: dict[LaunchTiles, float] = {}
-        for tiles in dict.fromkeys([fallback, *candidates]):
-            if validate(direction, tiles, key):
+        for tiles in candidates:
+            if valid[(direction, tiles)]:
                 timings[tiles] = time_candidate(direction, tiles, ops, grad_u, args.iters)
                 print(f"  {direction} {tiles}: {timings[tiles]:.3f} ms", flush=True)
         if not timings:
@@ -153,6 +175,8 @@ def main() -> None:
     parser.add_argument("--tables", type=Path, default=TABLES_DIR)
     parser.add_argument("--bwd-variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                         help="backward schedules to time (every candidate compiles)")  # fmt: skip
+    parser.add_argument("--compile-workers", type=int, default=8,
+                        help="processes that validate (compile) candidates at once")  # fmt: skip
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name()
     path = args.tables / f"{device_slug(gpu)}.json"
