@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|f16corr|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -90,6 +90,10 @@ case "$topic" in
     ;;
   f16corr)  # experiment: the fast tier's correction products accumulated in fp16, against shipped, alternating processes (~3 min)
     for v in shipped f16corr shipped f16corr; do STEP_S=100 run python3 benchmarks/f16_correction_probe.py --variant $v; done
+    ;;
+  stack-gaps)  # experiment: the fast tier's bar step, kernels' sum vs timed step (idle gaps, timing method), both tiers (~2 min)
+    STEP_S=100 run python3 benchmarks/stack_gap_probe.py --precision fp16x3
+    STEP_S=100 run python3 benchmarks/stack_gap_probe.py --precision ieee
     ;;
   bar-rotate)  # DeePMD's rotate_mix bar (E = 1,051,392, C_wide 128, lmax 2, F 1, rank 1) with every backward schedule (~1 min)
     STEP_S=90 run python3 benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 --compare-variants
