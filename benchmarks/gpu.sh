@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
