@@ -604,9 +604,10 @@ def launch_aggregate_bwd(
     grad_x = torch.empty_like(x_local)
     # Zero-filled: the kernel writes only the structural entries.
     grad_wigner = torch.zeros(wigner.shape, device=wigner.device, dtype=wigner.dtype)
-    grad_weights = weights.new_empty(weights.shape).contiguous()
+    grad_weights = weights.new_empty(weights.shape)
     if n_edge == 0 or c_wide == 0:
-        return grad_x, grad_wigner, grad_weights
+        # No channels: edges exist but no message depends on their weights.
+        return grad_x, grad_wigner, grad_weights.zero_()
     lanes = triton.next_power_of_2(c_wide)
     block_e, num_warps, col_stages = tiles or _bwd_tiles(x_local.device, lanes)
     scale = rotate_back_rescale(lmax, x_local.device, torch.float32)

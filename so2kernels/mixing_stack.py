@@ -40,7 +40,7 @@ import triton
 from torch import Tensor
 from torch.library import wrap_triton
 
-from so2kernels._dispatch import UnsupportedInputError, launch_device, require_fp32, use_triton
+from so2kernels._dispatch import launch_device, require_fp32, use_triton
 from so2kernels._layout import block_widths, check_regime, row_width
 from so2kernels.gated_act import gated_act, gated_act_backward, gated_act_reference
 from so2kernels.mixing_stack_backward import mixing_stack_backward, stack_backward_composed
@@ -267,11 +267,7 @@ def _mixing_stack_op(
         dense = tuple(t.contiguous() for t in tensors)
         with launch_device(u0):
             return _mixing_stack_fused(dense, lmax, focus_dim, apply_alpha, tier)
-    if tier is not StackPrecision.EXACT:
-        raise UnsupportedInputError(
-            f"so2kernels.{name}: precision {tier.value!r} needs the Triton path "
-            f"(CUDA tensors, or TRITON_INTERPRET=1); got device {u0.device}"
-        )
+    tier.require_triton(name, u0.device)
     x_local, z_all, u_final = mixing_stack_reference(*tensors, lmax, focus_dim, apply_alpha)
     # Outputs may not alias inputs: a one-layer stack hands u0 itself back as u_final.
     return x_local, z_all.contiguous(), (u_final.clone() if u_final is u0 else u_final)

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from so2kernels._dispatch import launch_device, require_fp32, use_triton
-from so2kernels._layout import block_widths
+from so2kernels._layout import block_widths, check_regime
 from so2kernels.gated_act import gated_act_backward_reference, gated_act_reference
 from so2kernels.mixing_stack_kernels import (
     ACT_PRESCALE,
@@ -467,13 +467,19 @@ def _mixing_stack_bwd_op(
         lmax, focus_dim, apply_alpha, need_weights,
     )  # fmt: skip
     _check_bwd_operands(given)
-    if not use_triton(grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all):
+    name = "so2_mixing_stack_bwd"
+    named = {
+        "grad_out": grad_out, "x_local": x_local, "z_all": z_all, "u_final": u_final,
+        "alpha": alpha, "u0": u0, "w0_all": w0_all, "w1_all": w1_all, "gw_all": gw_all,
+        **({} if grad_z is None else {"grad_z": grad_z}),
+        **({} if grad_u is None else {"grad_u": grad_u}),
+    }  # fmt: skip
+    if not use_triton(*named.values()):
+        tier.require_triton(name, u0.device)
         grads = mixing_stack_backward_reference(given)
         return tuple(t.contiguous() for t in grads)  # type: ignore[return-value]
-    require_fp32(
-        "so2_mixing_stack_bwd", grad_out=grad_out, x_local=x_local, z_all=z_all, u_final=u_final,
-        alpha=alpha, u0=u0, w0_all=w0_all, w1_all=w1_all, gw_all=gw_all,
-    )  # fmt: skip
+    check_regime(name, lmax, focus_dim)
+    require_fp32(name, **named)
 
     def packed(t: Tensor) -> Tensor:
         return t.contiguous()

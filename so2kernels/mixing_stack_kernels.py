@@ -95,6 +95,14 @@ class StackPrecision(StrEnum):
                 f"so2kernels: unknown stack precision {value!r}; use one of {choices}"
             ) from None
 
+    def require_triton(self, op: str, device: torch.device) -> None:
+        """Refuse a fast-tier call that would run off the Triton path (no silent exact result)."""
+        if self is not StackPrecision.EXACT:
+            raise UnsupportedInputError(
+                f"so2kernels.{op}: precision {self.value!r} needs the Triton path "
+                f"(CUDA tensors, or TRITON_INTERPRET=1); got device {device}"
+            )
+
 
 # Launch tiles
 

@@ -141,6 +141,12 @@ def _validate_operands(ops: RotateMixOperands) -> None:
         )
 
 
+def placed_basis(cb: Tensor, x: Tensor, rank: int) -> Tensor:
+    """``cb`` as the op uses it: rank 0 ignores its values, so a placeholder kept on another
+    device is swapped for an empty one beside ``x`` instead of deciding where the op runs."""
+    return cb if rank or cb.device == x.device else x.new_empty(cb.shape)
+
+
 def check_fused_regime(
     x: Tensor, wigner: Tensor, kernel: Tensor, basis: Tensor, lmax: int, n_focus: int, rank: int
 ) -> None:
@@ -447,8 +453,9 @@ def _rotate_mix_fwd_kernel(
     # Wide lane c belongs to focus group g = c // FD at position c % FD of every reduced row;
     # the output is (F, E, EDGE_LEN), so row k of edge e and lane c goes to
     # out[g, e, k·FD + c % FD].
+    # int64 before the edge count enters: a focus plane alone can pass 2^31 elements.
     group = (lanes // FD).to(tl.int64)
-    lane_off = group * (n_items * EDGE_LEN) + lanes % FD
+    lane_off = group * n_items * EDGE_LEN + lanes % FD
     dest = out_ptr + (ids * EDGE_LEN)[:, None] + lane_off[None, :]
     for k in tl.static_range(0, N_ROWS):
         tl.store(dest + k * FD, mixed[k], mask=mask2d)
@@ -517,11 +524,11 @@ def _rotate_mix_op(
 ) -> Tensor:
     ops = RotateMixOperands(
         x=x, src=src, src_order=src_order, src_rowptr=src_rowptr, wigner=wigner,
-        kc=kc, cb=cb, lmax=lmax, n_focus=n_focus, rank=rank,
+        kc=kc, cb=placed_basis(cb, x, rank), lmax=lmax, n_focus=n_focus, rank=rank,
     )  # fmt: skip
     _validate_operands(ops)
-    if use_triton(x, src, wigner, kc, cb):
-        check_fused_regime(x, wigner, kc, cb, lmax, n_focus, rank)
+    if use_triton(x, src, wigner, kc, ops.cb):
+        check_fused_regime(x, wigner, kc, ops.cb, lmax, n_focus, rank)
         tiles = rotate_mix_tiles("fwd", x.shape[2], lmax, rank, x.device)
         with launch_device(x):
             return launch_rotate_mix_fwd(
@@ -566,6 +573,7 @@ __all__ = [
     "UnsupportedInputError",
     "check_rotate_mix_inputs",
     "launch_rotate_mix_fwd",
+    "placed_basis",
     "rotate_mix",
     "rotate_mix_reference",
 ]

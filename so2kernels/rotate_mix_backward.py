@@ -73,6 +73,7 @@ from so2kernels.rotate_mix import (
     from_focus_major,
     kernel_operands,
     mixing_blocks,
+    placed_basis,
     structure_mask,
     wigner_reduced_rows,
 )
@@ -610,7 +611,7 @@ def _rotate_mix_bwd_op(
     want_cb: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     graph = (src, src_order, src_rowptr)
-    floats = (wigner, kc, cb)
+    floats = (wigner, kc, placed_basis(cb, x, rank))
     shape = (lmax, n_focus, rank)
     _validate_bwd(grad_u, x, graph, floats, shape)
     if not use_triton(grad_u, x, *graph, *floats):

@@ -224,6 +224,16 @@ def test_deterministic(poisoned_alloc: None) -> None:  # noqa: F811
         assert torch.equal(a, b)
 
 
+def test_edges_without_channels(poisoned_alloc: None) -> None:  # noqa: F811
+    """Zero channels (ROW = 0) over real edges: every gradient is defined, the weights' zero."""
+    ops = make_operands(2, 0, 1, 1, [3, 2])
+    leaves = _leaves(ops, torch.float32)
+    out = attention_aggregate(*leaves, ops[3], 2)
+    assert out.shape == (2, 9, 0)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert torch.equal(grads[2], torch.zeros_like(ops[2]))
+
+
 def test_zero_edges_and_zero_nodes() -> None:
     ops = make_operands(2, 32, 1, 1, [0, 0, 0])
     leaves = _leaves(ops, torch.float32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from importlib import import_module
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from so2kernels.mixing_stack_backward import mixing_stack_backward
 from so2kernels.mixing_stack_fast import measure_stack_error
 from so2kernels.mixing_stack_kernels import StackPrecision, split_fp16x3, weight_operands
 from tests.offline_compile import compiled_count
+
+mixing_stack_module = import_module("so2kernels.mixing_stack")
+mixing_stack_backward_module = import_module("so2kernels.mixing_stack_backward")
 
 Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -200,6 +204,35 @@ def test_bad_inputs() -> None:
         so2_mixing_stack(*ops, 2, 32, True, "tf32")
     with pytest.raises(ValueError, match="focus_dim must be"):
         so2_mixing_stack(*make_operands(1, 16, 1, 3, 2), 1, 16, True)
+
+
+def test_backward_op_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standalone backward op refuses what its forward refuses, and every cotangent it hands
+    to a kernel is checked; the fast tier never falls back to an exact reference silently."""
+    ops = make_operands(2, 32, 1, 3, 2)
+    outs = so2_mixing_stack(*ops, 2, 32, True)
+    cots = [torch.randn_like(t) for t in outs]
+
+    def backward(*cot: torch.Tensor, precision: str = "ieee") -> object:
+        return mixing_stack_backward(
+            cot[0], *outs, ops[1], ops[0], *ops[2:], cot[1], cot[2], 2, 32, True, False, precision
+        )
+
+    with pytest.raises(UnsupportedInputError, match="float32 for 'grad_z'"):
+        backward(cots[0], cots[1].double(), cots[2])
+    small = make_operands(1, 16, 1, 3, 2)
+    small_outs = mixing_stack_reference(*small, 1, 16, True)
+    with pytest.raises(ValueError, match="focus_dim must be"):
+        mixing_stack_backward(
+            torch.randn_like(small_outs[0]), *small_outs, small[1], small[0], *small[2:], None,
+            None, 1, 16, True, False,
+        )  # fmt: skip
+    monkeypatch.setattr(mixing_stack_module, "use_triton", lambda *tensors: False)
+    monkeypatch.setattr(mixing_stack_backward_module, "use_triton", lambda *tensors: False)
+    with pytest.raises(UnsupportedInputError, match="needs the Triton path"):
+        so2_mixing_stack(*ops, 2, 32, True, "fp16x3")
+    with pytest.raises(UnsupportedInputError, match="needs the Triton path"):
+        backward(*cots, precision="fp16x3")
 
 
 def test_opcheck() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from importlib import import_module
 from typing import Any
 
 import numpy as np
@@ -339,6 +340,35 @@ def test_golden_slot_orientation() -> None:
         assert (fused.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.gpu
+def test_rank0_placeholder_basis_elsewhere_keeps_the_fused_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 ignores cb: an empty placeholder left on the CPU must not send the op (or its
+    backward) on CUDA operands to the eager reference. (CUDA only: on the CPU a tensor on any
+    other device changes the dispatch key itself.)"""
+    ops = make_operands(Case(2, 2, 32, 0, n_node=6, n_edge=17), device="cuda")
+    elsewhere = replace(ops, cb=torch.empty(0, 64))
+    launched: list[str] = []
+    modules = {"fwd": import_module("so2kernels.rotate_mix"),
+               "bwd": import_module("so2kernels.rotate_mix_backward")}  # fmt: skip
+    for direction, module in modules.items():
+        real = getattr(module, f"launch_rotate_mix_{direction}")
+
+        def counted(*args: Any, _real: Any = real, _direction: str = direction) -> Any:
+            launched.append(_direction)
+            return _real(*args)
+
+        monkeypatch.setattr(module, f"launch_rotate_mix_{direction}", counted)
+    u = rotate_mix(*elsewhere.args())
+    grads = rotate_mix_backward(torch.ones_like(u), *elsewhere.args())
+    assert launched == ["fwd", "bwd"]
+    assert torch.equal(u, rotate_mix(*ops.args()))
+    for got, want in zip(grads[:3], rotate_mix_backward(torch.ones_like(u), *ops.args())[:3],
+                         strict=True):  # fmt: skip
+        assert torch.equal(got, want)
+
+
 def test_bad_inputs_raise_typed_errors() -> None:
     ops = make_operands(Case(2, 2, 32, 1), device="cpu")
     with pytest.raises(ValueError, match="kc"):
@@ -648,8 +678,9 @@ def test_gpu_realistic_size(case: Case) -> None:
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_int64_offsets() -> None:
-    """E·ROW > 2^31: per-edge outputs of the last edges against the reference on those edges."""
-    case = Case(2, 1, 128, 1, n_node=25_000, n_edge=2_500_000)
+    """E·ROW > 2^31 per focus plane, two planes: per-edge outputs of the last edges (of both
+    focus streams) against the reference on those edges."""
+    case = Case(2, 2, 128, 1, n_node=25_000, n_edge=2_500_000)
     ops = make_operands(case, device="cuda")
     assert case.n_edge * 7 * 128 > 2**31
     u = rotate_mix(*ops.args())
@@ -659,7 +690,7 @@ def test_gpu_int64_offsets() -> None:
                   wigner=ops.wigner[tail], kc=ops.kc[tail]).cast(torch.float64)  # fmt: skip
     assert_close_normwise(u[:, tail], rotate_mix_reference(*sub.args()))
     grad_u = torch.zeros_like(u)
-    grad_u[:, tail] = torch.randn(1, 2000, 7 * 128, device="cuda")
+    grad_u[:, tail] = torch.randn(case.n_focus, 2000, 7 * 128, device="cuda")
     _, g_wigner, g_kc, _ = rotate_mix_backward(grad_u, *ops.args())
     _, w_wigner, w_kc, _ = rotate_mix_backward_reference(grad_u[:, tail].double(), *sub.args())
     assert_close_normwise(g_wigner[tail], w_wigner, rel=5e-6)
