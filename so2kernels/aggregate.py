@@ -682,6 +682,7 @@ def _aggregate_bwd_fake(
     dst_rowptr: Tensor,
     lmax: int,
 ) -> _Grads:
+    check_aggregate_inputs(x_local, wigner, weights, dst_rowptr, lmax)
     _check_grad_out(grad_out, x_local, dst_rowptr, lmax)
     return (
         x_local.new_empty(x_local.shape),

@@ -388,6 +388,7 @@ def _outer_sum_bwd_op(
 def _outer_sum_bwd_fake(
     grad_out: Tensor, a: Tensor, b: Tensor, row_map: Tensor, dst_rowptr: Tensor
 ) -> tuple[Tensor, Tensor]:
+    check_outer_sum_inputs(a, b, row_map, dst_rowptr)
     _check_grad_out(grad_out, a, b, dst_rowptr)
     return a.new_empty(a.shape), b.new_empty(b.shape)
 

@@ -284,9 +284,23 @@ def _require_float(op: str, t: Tensor, name: str) -> None:
         )
 
 
+def _check_sum_operands(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> None:
+    _check_csr("segment_sum", order, row_ptr, _summed_rows(rows))
+
+
+def _check_broadcast_operands(
+    values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int
+) -> int:
+    """The broadcast's row count E, after the checks its op and fake share."""
+    n_rows = _broadcast_rows("segment_broadcast", order, n_rows)
+    _check_csr("segment_broadcast", order, row_ptr, n_rows)
+    _check_segment_count("segment_broadcast", values, row_ptr)
+    return n_rows
+
+
 @triton_op("so2kernels::segment_sum", mutates_args=())
 def _segment_sum_op(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
-    _check_csr("segment_sum", order, row_ptr, _summed_rows(rows))
+    _check_sum_operands(rows, order, row_ptr)
     index = (row_ptr,) if order is None else (order, row_ptr)
     if not use_triton(rows, *index):
         return segment_sum_reference(rows, order, row_ptr)
@@ -299,9 +313,7 @@ def _segment_sum_op(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tens
 def _segment_broadcast_op(
     values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int
 ) -> Tensor:
-    n_rows = _broadcast_rows("segment_broadcast", order, n_rows)
-    _check_csr("segment_broadcast", order, row_ptr, n_rows)
-    _check_segment_count("segment_broadcast", values, row_ptr)
+    n_rows = _check_broadcast_operands(values, order, row_ptr, n_rows)
     index = (row_ptr,) if order is None else (order, row_ptr)
     if not use_triton(values, *index):
         return segment_broadcast_reference(values, order, row_ptr, n_rows)
@@ -312,6 +324,7 @@ def _segment_broadcast_op(
 
 @_segment_sum_op.register_fake
 def _segment_sum_fake(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Tensor:
+    _check_sum_operands(rows, order, row_ptr)
     trailing = rows.shape[1:]
     return rows.new_empty((row_ptr.size(0) - 1, *trailing))
 
@@ -320,6 +333,7 @@ def _segment_sum_fake(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -> Te
 def _segment_broadcast_fake(
     values: Tensor, order: Tensor | None, row_ptr: Tensor, n_rows: int
 ) -> Tensor:
+    n_rows = _check_broadcast_operands(values, order, row_ptr, n_rows)
     return values.new_empty((n_rows, *values.shape[1:]))
 
 
