@@ -101,6 +101,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from benchmarks.common import time_ms, write_results
 from so2kernels._dispatch import UnsupportedInputError
 from so2kernels._layout import block_widths, row_width
+from so2kernels.mixing_stack_fast import normwise_rel_error
 from so2kernels.mixing_stack_kernels import (
     StackPrecision,
     _split_fp16x3,
@@ -772,11 +773,6 @@ def reference_block(
     return z, u_blk + z * torch.sigmoid(z), written
 
 
-def _rel(x: Tensor, ref: Tensor) -> float:
-    scale = ref.abs().max().item()
-    return float((x.double() - ref).abs().max().item() / scale) if scale else 0.0
-
-
 def block_views(
     shape: Shape, variant: Variant, outs: Outputs, edges: Tensor
 ) -> tuple[Tensor | None, Tensor]:
@@ -796,9 +792,9 @@ def compare(
     errors: dict[str, float] = {}
     views = {name: block_views(shape, variant, outs, edges) for name, outs in results.items()}
     for name, (z, out) in views.items():
-        errors[f"{name}_out_err"] = _rel(out[..., written], out_ref[..., written])
+        errors[f"{name}_out_err"] = normwise_rel_error(out[..., written], out_ref[..., written])
         if z is not None and z_ref is not None:
-            errors[f"{name}_z_err"] = _rel(z, z_ref)
+            errors[f"{name}_z_err"] = normwise_rel_error(z, z_ref)
         errors[f"{name}_nan"] = float(not bool(torch.isfinite(out[..., written]).all()))
     out_t = views["triton"][1][..., written]
     scale = out_t.abs().max().item()

@@ -32,9 +32,9 @@ from so2kernels.aggregate import (
     attention_aggregate,
     attention_aggregate_backward_reference,
     attention_aggregate_reference,
-    dst_of_edges,
     launch_aggregate_bwd,
 )
+from so2kernels.segment import segment_of_position
 
 BWD_SWEEP_TILES = (
     BwdTiles(2, 2, 3),
@@ -167,8 +167,8 @@ def time_backward(
     ops: Operands, grad_out: torch.Tensor, lmax: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     """The backward alone: the fused op (dst derivation and zero fill included), the eager
-    closed form, dst_of_edges alone, and the kernel at every launch shape of BWD_SWEEP_TILES;
-    plus whether two fused calls agree bitwise."""
+    closed form, the edges' destinations (segment_of_position) alone, and the kernel at every
+    launch shape of BWD_SWEEP_TILES; plus whether two fused calls agree bitwise."""
     x, w, wt, rowptr = (t.detach() for t in ops)
     n_edge = x.shape[0]
     fused_bwd = torch.ops.so2kernels.so2_attention_aggregate_bwd
@@ -182,7 +182,7 @@ def time_backward(
         row["eager_bwd_ms"] = timed(
             lambda: attention_aggregate_backward_reference(grad_out, x, w, wt, rowptr, lmax)
         )
-        row["dst_of_edges_ms"] = timed(lambda: dst_of_edges(rowptr, n_edge))
+        row["dst_of_edges_ms"] = timed(lambda: segment_of_position(rowptr, n_edge))
         # Keys "BLOCK_E x num_warps x col_stages".
         sweep: dict[str, float] = {}
         for tiles in BWD_SWEEP_TILES:

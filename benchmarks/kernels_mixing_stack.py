@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from so2kernels import mixing_stack_kernels as kernels
 from so2kernels.mixing_stack import mixing_stack_reference, so2_mixing_stack
+from so2kernels.mixing_stack_fast import normwise_rel_error
 from so2kernels.mixing_stack_kernels import StackPrecision, TileConfig, table_key
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -135,10 +136,6 @@ def implementations(case: Case, with_compile: bool) -> dict[str, StackFn]:
     return impls
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref).abs().max() / ref.abs().max())
-
-
 def sampled_errors(
     case: Case, ops: list[torch.Tensor], x_local: torch.Tensor, grad_u0: torch.Tensor,
     grad_out: torch.Tensor,
@@ -155,8 +152,8 @@ def sampled_errors(
     )[0]
     (ref_grad,) = torch.autograd.grad(ref, u0, grad_out[edges].double())
     return {
-        "rel_err_x_local": _rel(x_local[edges], ref.detach()),
-        "rel_err_grad_u0": _rel(grad_u0[:, edges], ref_grad),
+        "rel_err_x_local": normwise_rel_error(x_local[edges], ref.detach()),
+        "rel_err_grad_u0": normwise_rel_error(grad_u0[:, edges], ref_grad),
         "non_finite": bool(not torch.isfinite(x_local).all() or not torch.isfinite(grad_u0).all()),
     }
 
@@ -323,8 +320,7 @@ def sweep(
     in place. Entries of tiers not swept this time are kept from the existing table;
     ``skip_tuned`` also leaves alone every shape whose entries of the swept tiers all exist.
     """
-    gpu = torch.cuda.get_device_name().lower().replace(" ", "_")
-    out_path = kernels.TABLE_DIR / f"mixing_stack_{gpu}.json"
+    out_path = kernels.stack_table_path(torch.cuda.get_device_name())
     table: dict[str, list[int]] = (
         json.loads(out_path.read_text())["configs"] if out_path.is_file() else {}
     )

@@ -43,8 +43,8 @@ program holds the degree's reduced rows as (BLOCK_E, channels) tiles and visits 
 columns q once each, gathering ``g_q`` (pipelined): ``g_local[r] += wigner[e, p(r), q]·g_q`` and
 ``grad wigner[e, p(r), q] = Σ_c g_q·w·x[r]`` (one channel reduction per entry for the whole
 tile). ``grad weights`` reduces each group's channels of ``Σ_r g_local·x`` once per tile.
-``dst(e)`` comes from ``dst_rowptr`` on the device (:func:`dst_of_edges`, no host sync). HBM
-traffic is essentially ``x_local`` read once and ``grad x_local`` written once.
+``dst(e)`` comes from ``dst_rowptr`` on the device (``segment_of_position``, no host sync).
+HBM traffic is essentially ``x_local`` read once and ``grad x_local`` written once.
 
 Second order (training): when the backward runs under ``create_graph`` it is composed from
 differentiable torch ops (:func:`attention_aggregate_backward_reference`), so a force loss can
@@ -76,6 +76,7 @@ from so2kernels._layout import (
     rotate_back_rescale,
 )
 from so2kernels.rotate_mix import structure_mask, wigner_reduced_rows
+from so2kernels.segment import segment_of_position
 
 __all__ = [
     "BwdTiles",
@@ -156,15 +157,6 @@ def _check_grad_out(grad_out: Tensor, x_local: Tensor, dst_rowptr: Tensor, lmax:
 # Eager reference (any dtype; differentiable by autograd to any order)
 
 
-def dst_of_edges(dst_rowptr: Tensor, n_edge: int) -> Tensor:
-    """(E,) int64 destination node of every edge from the CSR offsets.
-
-    No host sync: with ``output_size`` given, ``repeat_interleave`` neither reads the total back
-    nor checks the counts' signs on the host (a cumsum and one expansion kernel on CUDA).
-    """
-    return torch.repeat_interleave(dst_rowptr[1:] - dst_rowptr[:-1], output_size=n_edge)
-
-
 def _channel_weights(weights: Tensor, c_wide: int) -> Tensor:
     """(E, G) → (E, C_wide): each group's weight repeated over its channels."""
     return weights.repeat_interleave(c_wide // weights.shape[1], dim=1)
@@ -182,7 +174,7 @@ def attention_aggregate_reference(
     scale = rotate_back_rescale(lmax, x_local.device, x_local.dtype)
     message = torch.bmm(d_rows.transpose(1, 2), weighted) * scale[:, None]
     out = message.new_zeros((dst_rowptr.shape[0] - 1, *message.shape[1:]))
-    return out.index_add(0, dst_of_edges(dst_rowptr, n_edge), message)
+    return out.index_add(0, segment_of_position(dst_rowptr, n_edge), message)
 
 
 @cache
@@ -214,7 +206,7 @@ def attention_aggregate_backward_reference(
     n_edge, n_focus = x_local.shape[:2]
     dim = n_coeff(lmax)
     scale = rotate_back_rescale(lmax, x_local.device, x_local.dtype)
-    g_edge = (grad_out * scale[:, None]).index_select(0, dst_of_edges(dst_rowptr, n_edge))
+    g_edge = (grad_out * scale[:, None]).index_select(0, segment_of_position(dst_rowptr, n_edge))
     d_rows = wigner_reduced_rows(wigner, lmax)  # (E, 3L+1, D), structural zeros applied
     rows = edge_major_to_channel_rows(x_local, lmax)
     c_wide = rows.shape[2]
@@ -611,7 +603,7 @@ def launch_aggregate_bwd(
     lanes = triton.next_power_of_2(c_wide)
     block_e, num_warps, col_stages = tiles or _bwd_tiles(x_local.device, lanes)
     scale = rotate_back_rescale(lmax, x_local.device, torch.float32)
-    dst = dst_of_edges(dst_rowptr, n_edge)
+    dst = segment_of_position(dst_rowptr, n_edge)
     n_blocks = triton.cdiv(n_edge, block_e)
     wrap_triton(_aggregate_bwd_kernel)[(n_blocks,)](
         grad_out, x_local, wigner, weights, dst, scale,

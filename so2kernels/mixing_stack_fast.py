@@ -8,7 +8,7 @@ output cotangent.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,7 +23,7 @@ from so2kernels.mixing_stack import (
 )
 from so2kernels.mixing_stack_kernels import StackPrecision
 
-__all__ = ["StackError", "measure_stack_error"]
+__all__ = ["StackError", "measure_stack_error", "normwise_rel_error"]
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,9 @@ class StackError:
     grad_alpha: float
     non_finite: bool
 
-    def as_dict(self) -> dict[str, float | str | bool]:
-        return asdict(self)
 
-
-def _rel(x: Tensor, ref: Tensor) -> float:
+def normwise_rel_error(x: Tensor, ref: Tensor) -> float:
+    """``max|x - ref| / max|ref|`` in float64 (the absolute error where ``ref`` is all zero)."""
     scale = ref.abs().max().item() if ref.numel() else 0.0
     if scale == 0.0:
         return float((x.double() - ref).abs().max().item()) if x.numel() else 0.0
@@ -87,14 +85,14 @@ def measure_stack_error(
     ref_x, ref_grads = run(torch.float64, False)
 
     def rel_or_zero(x: Tensor | None, ref: Tensor | None) -> float:
-        return 0.0 if x is None or ref is None else _rel(x, ref)
+        return 0.0 if x is None or ref is None else normwise_rel_error(x, ref)
 
     non_finite = not bool(torch.isfinite(x_local).all()) or any(
         g is not None and not bool(torch.isfinite(g).all()) for g in grads
     )
     return StackError(
         precision=tier.value,
-        x_local=_rel(x_local, ref_x),
+        x_local=normwise_rel_error(x_local, ref_x),
         grad_u0=rel_or_zero(grads[0], ref_grads[0]),
         grad_alpha=rel_or_zero(grads[1], ref_grads[1]),
         non_finite=non_finite,

@@ -54,6 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from so2kernels._dispatch import UnsupportedInputError
+from so2kernels.tiles import TABLES_DIR, device_slug
 
 __all__ = [
     "ACT_PRESCALE",
@@ -65,6 +66,7 @@ __all__ = [
     "persistent_grid",
     "row_descriptor",
     "split_fp16x3",
+    "stack_table_path",
     "tile_config",
     "weight_descriptors",
     "weight_operands",
@@ -125,17 +127,16 @@ _DEFAULT_EXACT = TileConfig(64, 64, 32, 4, 2)
 _DEFAULT_FAST = TileConfig(128, 64, 32, 8, 3)
 _INTERPRETER = TileConfig(32, 64, 32, 1, 1)
 
-TABLE_DIR = Path(__file__).resolve().parent / "tables"
-"""Where the swept tables live: ``mixing_stack_<gpu>.json`` (written by the benchmark sweep)."""
 
-
-def _gpu_key(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device).lower().replace(" ", "_")
+def stack_table_path(device_name: str) -> Path:
+    """The swept table of a GPU: ``tables/mixing_stack_<slug>.json`` (written by the benchmark
+    sweep; the slug is the rotate-mix table's)."""
+    return TABLES_DIR / f"mixing_stack_{device_slug(device_name)}.json"
 
 
 @cache
-def _load_table(gpu_key: str) -> dict[str, list[int]]:
-    path = Path(os.environ.get("SO2_STACK_TABLE", TABLE_DIR / f"mixing_stack_{gpu_key}.json"))
+def _load_table(device_name: str) -> dict[str, list[int]]:
+    path = Path(os.environ.get("SO2_STACK_TABLE", stack_table_path(device_name)))
     if not path.exists():
         return {}
     entries: dict[str, list[int]] = json.loads(path.read_text())["configs"]
@@ -164,7 +165,7 @@ def tile_config(
     """Launch tile for a kernel family on ``device``: swept table entry, else the fallback."""
     if device.type != "cuda":
         return _INTERPRETER
-    table = _load_table(_gpu_key(device))
+    table = _load_table(torch.cuda.get_device_name(device))
     entry = table.get(table_key(kind, focus_dim, lmax, precision))
     if entry is None and kind in _STAND_IN_KIND:
         entry = table.get(table_key(_STAND_IN_KIND[kind], focus_dim, lmax, precision))
@@ -349,19 +350,24 @@ only bound masks and offset whole rows, so nothing is lost by not specialising o
 # Triton: the shared tile product
 
 
+# The host's scales as kernel constants: splits made on either side must merge the same way.
+_ACT_PRESCALE = tl.constexpr(ACT_PRESCALE)
+_TAIL_SCALE = tl.constexpr(TAIL_SCALE)
+
+
 @triton.jit
 def _split_fp16x3(x):
     """fp16 head and ``TAIL_SCALE``-scaled fp16 tail of ``ACT_PRESCALE·x`` (fp32 ``x``)."""
-    scaled = x * 0.0625
+    scaled = x * _ACT_PRESCALE
     head = scaled.to(tl.float16)
-    tail = ((scaled - head.to(tl.float32)) * 2048.0).to(tl.float16)
+    tail = ((scaled - head.to(tl.float32)) * _TAIL_SCALE).to(tl.float16)
     return head, tail
 
 
 @triton.jit
 def _merge_fp16x3(head_sum, tail_sum):
     """Undo the tail scale and the activation prescale of a compensated product."""
-    return (head_sum + tail_sum * (1.0 / 2048.0)) * 16.0
+    return (head_sum + tail_sum * (1.0 / _TAIL_SCALE)) * (1.0 / _ACT_PRESCALE)
 
 
 @triton.jit

@@ -56,7 +56,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from so2kernels._dispatch import launch_device, require_fp32, use_triton
-from so2kernels.aggregate import default_segment_parts, dst_of_edges, segment_part_range
+from so2kernels.aggregate import default_segment_parts, segment_part_range
+from so2kernels.segment import segment_of_position
 
 __all__ = [
     "OuterSumTiles",
@@ -120,7 +121,7 @@ def segment_outer_sum_reference(
     check_outer_sum_inputs(a, b, row_map, dst_rowptr)
     message = a[:, :, None] * b.index_select(1, row_map)
     out = message.new_zeros(_output_shape(a, b, dst_rowptr))
-    return out.index_add(0, dst_of_edges(dst_rowptr, a.shape[0]), message)
+    return out.index_add(0, segment_of_position(dst_rowptr, a.shape[0]), message)
 
 
 def segment_outer_sum_backward_reference(
@@ -129,7 +130,7 @@ def segment_outer_sum_backward_reference(
     """Closed-form ``(grad_a (E, K), grad_b (E, J, C))``, differentiable (training)."""
     check_outer_sum_inputs(a, b, row_map, dst_rowptr)
     _check_grad_out(grad_out, a, b, dst_rowptr)
-    g_edge = grad_out.index_select(0, dst_of_edges(dst_rowptr, a.shape[0]))  # (E, K, C)
+    g_edge = grad_out.index_select(0, segment_of_position(dst_rowptr, a.shape[0]))  # (E, K, C)
     grad_a = (g_edge * b.index_select(1, row_map)).sum(2)
     grad_b = torch.zeros_like(b).index_add(1, row_map, g_edge * a[:, :, None])
     return grad_a, grad_b

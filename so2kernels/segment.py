@@ -88,9 +88,10 @@ def csr_from_index(index: Tensor, n_segments: int) -> tuple[Tensor, Tensor]:
 # Eager references (any dtype, differentiable by autograd)
 
 
-def _segment_of_position(row_ptr: Tensor, n_rows: int) -> Tensor:
-    """Owning segment of each of the E CSR positions, as int64 (E,); ``output_size`` is given,
-    so nothing is read back to the host."""
+def segment_of_position(row_ptr: Tensor, n_rows: int) -> Tensor:
+    """Owning segment of each of the E CSR positions, as int64 (E,): e.g. every edge's
+    destination node from ``dst_rowptr``. ``output_size`` is given, so nothing is read back to
+    the host (nor are the counts' signs checked there)."""
     lengths = torch.diff(row_ptr)
     labels = torch.arange(lengths.numel(), dtype=torch.int64, device=row_ptr.device)
     return labels.repeat_interleave(lengths, output_size=n_rows)
@@ -110,7 +111,7 @@ def segment_sum_reference(rows: Tensor, order: Tensor | None, row_ptr: Tensor) -
     _check_csr("segment_sum", order, row_ptr, n_rows)
     grouped = rows if order is None else rows.index_select(0, order)
     out = rows.new_zeros((row_ptr.shape[0] - 1, *rows.shape[1:]))
-    return out.index_add(0, _segment_of_position(row_ptr, n_rows), grouped)
+    return out.index_add(0, segment_of_position(row_ptr, n_rows), grouped)
 
 
 def segment_broadcast_reference(
@@ -120,7 +121,7 @@ def segment_broadcast_reference(
     n_rows = _broadcast_rows("segment_broadcast", order, n_rows)
     _check_csr("segment_broadcast", order, row_ptr, n_rows)
     _check_segment_count("segment_broadcast", values, row_ptr)
-    grouped = values.index_select(0, _segment_of_position(row_ptr, n_rows))
+    grouped = values.index_select(0, segment_of_position(row_ptr, n_rows))
     if order is None:
         return grouped
     return values.new_zeros((n_rows, *values.shape[1:])).index_copy(0, order, grouped)

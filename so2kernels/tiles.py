@@ -114,9 +114,9 @@ def load_table(slug: str) -> dict[str, Any]:
 
 
 def fallback_tiles(direction: Direction, c_wide: int, lmax: int) -> LaunchTiles:
-    """Per-edge steps of the node variant; the backward's warps grow with its per-program
-    working set (lanes × packed rows), which kept ptxas (sm_90) under 255 registers without
-    spills up to lmax 3."""
+    """One edge per step; forward with 4 warps (8 past 256 lanes), backward on the csr schedule
+    with warps growing with its per-program working set (lanes × packed rows), which kept ptxas
+    (sm_90) under 255 registers without spills up to lmax 3."""
     lanes = triton.next_power_of_2(c_wide)
     if direction == "fwd":
         return LaunchTiles(block_e=1, num_warps=4 if lanes <= 256 else 8)

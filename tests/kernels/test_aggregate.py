@@ -12,7 +12,6 @@ from so2kernels.aggregate import (
     attention_aggregate,
     attention_aggregate_backward_reference,
     attention_aggregate_reference,
-    dst_of_edges,
     launch_aggregate_bwd,
     launch_aggregate_fwd,
     segment_parts,
@@ -184,13 +183,6 @@ def test_bad_part_count() -> None:
     ops = make_operands(2, 32, 1, 1, [3, 2])
     with pytest.raises(ValueError, match="n_part"):
         launch_aggregate_fwd(*ops, 2, n_part=0)
-
-
-def test_dst_of_edges() -> None:
-    rowptr = torch.tensor([0, 2, 2, 3, 3, 6])
-    assert dst_of_edges(rowptr, 6).tolist() == [0, 0, 2, 4, 4, 4]
-    assert dst_of_edges(torch.zeros(4, dtype=torch.int64), 0).shape == (0,)
-    assert dst_of_edges(torch.zeros(1, dtype=torch.int64), 0).shape == (0,)
 
 
 def test_second_order_through_op() -> None:

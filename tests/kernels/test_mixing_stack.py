@@ -530,7 +530,7 @@ def test_tile_table_gate_backward_entry_and_stand_in(monkeypatch: pytest.MonkeyP
     table = {"gate|cf128|l2|fp16x3": [64, 64, 32, 4, 3], "gbwd|cf128|l2|fp16x3": [32, 64, 32, 4, 3],
              "gate|cf64|l2|fp16x3": [64, 32, 32, 4, 2]}  # fmt: skip
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
-    monkeypatch.setattr(mixing_stack_kernels, "_load_table", lambda gpu_key: table)
+    monkeypatch.setattr(mixing_stack_kernels, "_load_table", lambda device_name: table)
     cuda = torch.device("cuda")
 
     def tile(kind: str, focus_dim: int) -> tuple[int, ...]:

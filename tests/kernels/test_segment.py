@@ -14,6 +14,7 @@ from so2kernels.segment import (
     csr_from_index,
     segment_broadcast,
     segment_broadcast_reference,
+    segment_of_position,
     segment_sum,
     segment_sum_reference,
     validate_csr,
@@ -263,3 +264,11 @@ def test_gpu_float64_assembly_sizes() -> None:
     one_structure = torch.tensor([0, n_node], device="cuda")
     total = segment_sum(per_atom, None, one_structure)
     torch.testing.assert_close(total[0], rows.sum(0), atol=1e-9, rtol=1e-12)
+
+
+def test_segment_of_position() -> None:
+    """Every CSR position's segment (an edge's destination), empty segments and none at all."""
+    rowptr = torch.tensor([0, 2, 2, 3, 3, 6])
+    assert segment_of_position(rowptr, 6).tolist() == [0, 0, 2, 4, 4, 4]
+    assert segment_of_position(torch.zeros(4, dtype=torch.int64), 0).shape == (0,)
+    assert segment_of_position(torch.zeros(1, dtype=torch.int64), 0).shape == (0,)
