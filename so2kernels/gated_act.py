@@ -32,7 +32,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import triton
 from torch import Tensor
 from torch.library import wrap_triton
 
@@ -219,11 +218,6 @@ def gated_act_double_backward_reference(
 # Launchers (Triton kernels live in so2kernels.mixing_stack_kernels, shared with the stack)
 
 
-def _gate_grid(n_edge: int, width: int, n_focus: int, cfg: TileConfig) -> tuple[int, int]:
-    tiles_m = triton.cdiv(n_edge, cfg.block_m)
-    return tiles_m * triton.cdiv(width, cfg.block_n), n_focus
-
-
 def _exact_tiles(dims: _Dims, device: torch.device) -> TileConfig:
     return tile_config("gate", dims.focus_dim, dims.lmax, StackPrecision.EXACT, device)
 
@@ -234,12 +228,10 @@ def _launch_fwd(z: Tensor, gw: Tensor, dims: _Dims) -> Tensor:
     out = torch.empty_like(z)
     if n_edge > 0:
         cfg = _exact_tiles(dims, z.device)
-        grid = _gate_grid(n_edge, dims.gate_width, n_focus, cfg)
-        wrap_triton(gate_fwd_kernel)[grid](
+        wrap_triton(gate_fwd_kernel)[cfg.grid(n_edge, dims.gate_width, n_focus)](
             z, gw, gw, z, z, out, n_edge, 0,
             L=dims.lmax, FD=dims.focus_dim, HAS_RES=False, ALL_ROWS=True, STORE_SIG=False,
-            FAST=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            FAST=False, **cfg.launch_meta(),
         )  # fmt: skip
     return out
 
@@ -255,15 +247,12 @@ def _launch_bwd(cot: Tensor, z: Tensor, proj: Tensor, proj_t: Tensor, dims: _Dim
     cfg = _exact_tiles(dims, z.device)
     common = {
         "L": dims.lmax, "FD": dims.focus_dim, "RECOVER": False, "FAST": False,
-        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+        **cfg.launch_meta(),
     }  # fmt: skip
-    rows_grid = _gate_grid(n_edge, dims.gate_width, n_focus, cfg)
-    wrap_triton(gate_bwd_kernel)[rows_grid](
+    wrap_triton(gate_bwd_kernel)[cfg.grid(n_edge, dims.gate_width, n_focus)](
         z, proj, proj, cot, d_z, d_logit, z, z, n_edge, 0, **common
     )
-    scalar_grid = _gate_grid(n_edge, dims.focus_dim, n_focus, cfg)
-    wrap_triton(scalar_bwd_kernel)[scalar_grid](
+    wrap_triton(scalar_bwd_kernel)[cfg.grid(n_edge, dims.focus_dim, n_focus)](
         d_logit, proj_t, proj_t, z, cot, d_z, z, z, n_edge, 0, **common
     )
     return d_z, d_logit

@@ -36,7 +36,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
 from torch import Tensor
 from torch.library import wrap_triton
 
@@ -188,18 +187,8 @@ def _mixing_stack_fused(
     fast = tier is StackPrecision.FAST
     common = {"L": lmax, "FD": focus_dim}
 
-    def meta(tile: Any) -> dict[str, Any]:
-        return {
-            "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
-            "num_warps": tile.num_warps, "num_stages": tile.num_stages, **common,
-        }  # fmt: skip
-
-    lin_meta, gate_meta = meta(lin_tile), meta(gate_tile)
+    lin_meta, gate_meta = ({**tile.launch_meta(), **common} for tile in (lin_tile, gate_tile))
     blk0, blk1, proj = (weight_operands(w, tier) for w in (w0_all, w1_all, gw_all))
-
-    def launch_grid(cols: int, tile: Any) -> tuple[int, int]:
-        tiles_e = triton.cdiv(n_edge, tile.block_m)
-        return tiles_e * triton.cdiv(cols, tile.block_n), n_focus
 
     linear = wrap_triton(block_fwd_kernel)
     gating = wrap_triton(gate_fwd_kernel)
@@ -212,12 +201,12 @@ def _mixing_stack_fused(
         final = {"M1_BLOCK": upper, "FINAL": layer == depth,
                  "APPLY_ALPHA": apply_alpha and layer == depth}  # fmt: skip
         if not fast:
-            linear[launch_grid(width, lin_tile)](
+            linear[lin_tile.grid(n_edge, width, n_focus)](
                 src, weights[0], z_all, sig, alpha, out, n_edge, layer, **final, **lin_meta
             )
             return
         block_k = desc_block_k(width, lin_tile)
-        n_tiles = launch_grid(width, lin_tile)[0] * n_focus
+        n_tiles = lin_tile.grid(n_edge, width, n_focus)[0] * n_focus
         wrap_triton(block_fwd_desc_kernel)[persistent_grid(n_tiles, lin_tile, act.device)](
             row_descriptor(src, lin_tile.block_m, block_k),
             *weight_descriptors(weights, block_k, lin_tile.block_n),
@@ -231,7 +220,7 @@ def _mixing_stack_fused(
     while k < depth:
         dst = torch.empty_like(act)
         block_gemm(src, blk0, dst, k, False)
-        gating[launch_grid(gate_width, gate_tile)](
+        gating[gate_tile.grid(n_edge, gate_width, n_focus)](
             z_all, proj[0], proj[1], src, sig, dst, n_edge, k,
             HAS_RES=True, ALL_ROWS=False, STORE_SIG=True, FAST=fast, **gate_meta,
         )  # fmt: skip

@@ -205,11 +205,7 @@ class _Launcher:
         self, n_edge: int, n_focus: int, lmax: int, focus_dim: int, cfg: TileConfig, fast: bool
     ):
         self.n_edge, self.n_focus, self.cfg = n_edge, n_focus, cfg
-        self.meta = {
-            "L": lmax, "FD": focus_dim, "FAST": fast,
-            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-        }  # fmt: skip
+        self.meta = {"L": lmax, "FD": focus_dim, "FAST": fast, **cfg.launch_meta()}
 
     @classmethod
     def of(cls, kind: str, args: StackBwdArgs, precision: StackPrecision) -> _Launcher:
@@ -248,8 +244,7 @@ class _Launcher:
         )  # fmt: skip
 
     def grid(self, width: int) -> tuple[int, int]:
-        tiles = triton.cdiv(self.n_edge, self.cfg.block_m) * triton.cdiv(width, self.cfg.block_n)
-        return tiles, self.n_focus
+        return self.cfg.grid(self.n_edge, width, self.n_focus)
 
     def slots(self, m0: int, m1: int) -> int:
         """Column tiles of both blocks: the per-edge partial slots of ``ALPHA_PARTIALS``."""

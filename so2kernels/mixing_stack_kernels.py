@@ -119,6 +119,17 @@ class TileConfig:
     num_warps: int
     num_stages: int
 
+    def grid(self, n_edge: int, width: int, n_focus: int) -> tuple[int, int]:
+        """Grid of a tiled launch: (edge tiles × column tiles of ``width``, focus streams)."""
+        return triton.cdiv(n_edge, self.block_m) * triton.cdiv(width, self.block_n), n_focus
+
+    def launch_meta(self) -> dict[str, int]:
+        """The tile as the kernels' constexprs and launch options."""
+        return {
+            "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
+            "num_warps": self.num_warps, "num_stages": self.num_stages,
+        }  # fmt: skip
+
 
 # Conservative defaults. Exact fp32: 64×64×32 FMA tiles keep registers in check on every Cf.
 # Fast: 128-edge tiles feed the tensor cores. Under the interpreter, fewer and larger programs are
