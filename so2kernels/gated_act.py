@@ -273,16 +273,14 @@ def _check_gwt(op: str, gw: Tensor, gwt: Tensor) -> None:
         )
 
 
-def _check_act_operands(
-    op: str, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
-) -> None:
-    check_gated_act_operands(op, z, gw, lmax=lmax, focus_dim=focus_dim)
+def _check_act_operands(op: str, z: Tensor, gw: Tensor, gwt: Tensor, dims: _Dims) -> None:
+    check_gated_act_operands(op, z, gw, lmax=dims.lmax, focus_dim=dims.focus_dim)
     _check_gwt(op, gw, gwt)
 
 
 @torch.library.triton_op("so2kernels::gated_act", mutates_args=())
 def _act_op(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Tensor:
-    _check_act_operands("gated_act", z, gw, gwt, lmax, focus_dim)
+    _check_act_operands("gated_act", z, gw, gwt, _Dims(lmax, focus_dim))
     if not use_triton(z, gw, gwt):
         return gated_act_reference(z, gw, gwt, lmax, focus_dim)
     check_regime("gated_act", lmax, focus_dim)
@@ -292,15 +290,16 @@ def _act_op(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Te
 
 
 @_act_op.register_fake  # type: ignore[untyped-decorator]
-def _act_meta(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Tensor:
-    _check_act_operands("gated_act", z, gw, gwt, lmax, focus_dim)
+def _act_meta(z: Tensor, *operands: Any) -> Tensor:
+    # operands: gw, gwt, lmax, focus_dim
+    _check_act_operands("gated_act", z, operands[0], operands[1], _Dims(*operands[2:]))
     return torch.empty_like(z, memory_format=torch.contiguous_format)
 
 
-def _check_act_bwd_operands(
-    grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
-) -> None:
-    _check_act_operands("gated_act_bwd", z, gw, gwt, lmax, focus_dim)
+def _check_act_bwd_operands(grad: Tensor, operands: tuple[Any, ...]) -> None:
+    """``operands``: the forward's (z, gw, gwt, lmax, focus_dim)."""
+    z, gw, gwt = operands[:3]
+    _check_act_operands("gated_act_bwd", z, gw, gwt, _Dims(*operands[3:]))
     if grad.shape != z.shape:
         raise ValueError(
             f"so2kernels.gated_act_bwd: grad must have z's shape {tuple(z.shape)}; "
@@ -312,7 +311,7 @@ def _check_act_bwd_operands(
 def _act_bwd_op(
     grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
 ) -> tuple[Tensor, Tensor]:
-    _check_act_bwd_operands(grad, z, gw, gwt, lmax, focus_dim)
+    _check_act_bwd_operands(grad, (z, gw, gwt, lmax, focus_dim))
     if use_triton(grad, z, gw, gwt):
         require_fp32("gated_act_bwd", grad=grad, z=z, gw=gw, gwt=gwt)
         with launch_device(grad):
@@ -328,10 +327,9 @@ def _act_bwd_op(
 
 
 @_act_bwd_op.register_fake  # type: ignore[untyped-decorator]
-def _act_bwd_meta(
-    grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
-) -> _Pair:
-    _check_act_bwd_operands(grad, z, gw, gwt, lmax, focus_dim)
+def _act_bwd_meta(grad: Tensor, *operands: Any) -> _Pair:
+    _check_act_bwd_operands(grad, operands)
+    z, gw = operands[:2]
     # gw is (F, Cf, LG): its last extent is the logit width.
     return (
         torch.empty_like(z, memory_format=torch.contiguous_format),
