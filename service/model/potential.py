@@ -28,6 +28,7 @@ and reported in :class:`ExecutionInfo` (hence in ``/info`` and every response's 
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
@@ -40,12 +41,13 @@ from ase.data import atomic_numbers
 from torch import Tensor
 from torch.profiler import record_function
 
-from service.graph.assembly import assemble_forces_virial, stress_from_virial
+from service.graph.assembly import assemble_forces_virial, atom_rowptr, stress_from_virial
 from service.graph.cell_list import COINCIDENT_DISTANCE
 from service.graph.edge_cache import build_edge_cache
 from service.graph.errors import InvalidStructureError
 from service.graph.neighbors import edge_vectors, place_and_build_graph_carrying, resolve_backend
 from service.graph.pair_search import image_windows
+from service.graph.segments import csr_segment_sum
 from service.graph.structures import Structures
 from service.model.captured import CapturedSteps, ReplayBatch, StepInputs, StepOutputs
 from service.model.config import ModelConfig
@@ -293,6 +295,14 @@ class Potential:
         self._captured = (
             CapturedSteps(self.model, self._step, cfg.rcut, self.device) if capture else None
         )
+        # A recorded graph reads one static input buffer and writes one output buffer: two
+        # threads evaluating through this potential (two calculators sharing a loaded model)
+        # must not interleave one's load, replay and fetch with the other's. The engine already
+        # runs one pass per device at a time; without graphs nothing is shared (and a lock
+        # would not pickle).
+        self._one_at_a_time: AbstractContextManager[object] = (
+            threading.Lock() if capture else nullcontext()
+        )
 
     @property
     def config(self) -> ModelConfig:
@@ -330,8 +340,9 @@ class Potential:
         *,
         create_graph: bool = False,
     ) -> Prediction:
-        """Evaluate a batch; see the module docstring for the pipeline."""
-        with device_scope(self.device):
+        """Evaluate a batch; see the module docstring for the pipeline. Thread-safe: calls
+        through one potential run one at a time."""
+        with self._one_at_a_time, device_scope(self.device):
             return self._predict(structures, properties, create_graph)
 
     def _predict(
@@ -468,9 +479,8 @@ class Potential:
                     live_weights=create_graph, edge_chunk=edge_chunk,
                     stack_precision=self.stack_precision,
                 )  # fmt: skip
-            energy = atom_energy.new_zeros(graph.n_structures).index_add(
-                0, graph.atom_batch, atom_energy
-            )
+            # A CSR sum, not index_add: the atomic adds would make energies vary in the last bit.
+            energy = csr_segment_sum(atom_energy, atom_rowptr(graph))
             if not want_grad:
                 empty = energy.new_zeros(0)
                 return StepOutputs(energy.detach(), atom_energy.detach(), empty, empty)

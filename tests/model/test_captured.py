@@ -516,3 +516,44 @@ def test_bar_model_fast_tier_replays_with_one_round_trip() -> None:
 def test_capture_needs_cuda() -> None:
     with pytest.raises(ValueError, match="CUDA"):
         Potential(copy.deepcopy(randomized_model(CONFIG)), device="cpu", capture=True)
+
+
+@pytest.mark.gpu
+def test_threads_sharing_a_potential_get_their_own_results() -> None:
+    """Two threads evaluating different same-size structures through one potential (two
+    calculators sharing a loaded model) replay the same recorded graph: each must get its own
+    structure's energy and forces, bit for bit what it gets alone. Energies are bitwise
+    repeatable (a CSR sum, no atomics)."""
+    import threading
+
+    from service.model.potential import load_potential
+
+    shared = load_potential(None, device="cuda")
+    rng = np.random.default_rng(5)
+    frames = [_moved(_water(1), rng) for _ in range(2)]
+    for _ in range(RECORD_AFTER + 2):  # record the bucket; from here on every step replays it
+        for s in frames:
+            shared.predict(s, ("energy", "forces"))
+    alone = [shared.predict(s, ("energy", "forces")) for s in frames]
+    for s, want in zip(frames, alone, strict=True):
+        again = shared.predict(s, ("energy", "forces"))
+        assert torch.equal(again.energy.cpu(), want.energy.cpu())
+    mismatches: list[int] = []
+
+    def evaluate(k: int) -> None:
+        for _ in range(50):
+            got = shared.predict(frames[k], ("energy", "forces"))
+            assert got.forces is not None and alone[k].forces is not None
+            if not (
+                torch.equal(got.energy.cpu(), alone[k].energy.cpu())
+                and torch.equal(got.forces.cpu(), alone[k].forces.cpu())
+            ):
+                mismatches.append(k)
+
+    threads = [threading.Thread(target=evaluate, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert shared._captured is not None and shared._captured.n_graphs >= 1
+    assert mismatches == []
