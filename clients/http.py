@@ -133,14 +133,18 @@ def error_from_response(status: int, content: bytes) -> ServiceError:
     )
 
 
-def bad_response(url: str, reply: Reply, reason: Exception) -> ServiceError:
+UNDECODABLE = (ValueError, KeyError, IndexError, TypeError, msgpack.UnpackException)
+"""What decoding an answer that is not an so2serve document raises."""
+
+
+def bad_response(url: str, status: int, content: bytes, reason: Exception) -> ServiceError:
     """A 2xx answer that is not an so2serve document (``url`` names another service)."""
-    text = reply.content[:200].decode("utf-8", "replace")
+    text = content[:200].decode("utf-8", "replace")
     return ServiceError(
-        f"{url} answered {reply.status} with something that is not an so2serve answer "
+        f"{url} answered {status} with something that is not an so2serve answer "
         f"({type(reason).__name__}: {reason}): {text!r}",
         code="bad_response",
-        status=reply.status,
+        status=status,
     )
 
 
@@ -223,8 +227,8 @@ class SO2Calculator(SerialCalculator):
         try:
             document = decode_response(reply.content, reply.header("content-type", _JSON) or _JSON)
             result = result_arrays(document["results"][0])
-        except (ValueError, KeyError, IndexError, TypeError, msgpack.UnpackException) as exc:
-            raise bad_response(self.url, reply, exc) from exc
+        except UNDECODABLE as exc:
+            raise bad_response(self.url, reply.status, reply.content, exc) from exc
         self.provenance = document.get("provenance")
         self.results = {
             "energy": result["energy"],
@@ -239,7 +243,7 @@ class SO2Calculator(SerialCalculator):
         try:
             info: dict[str, Any] = orjson.loads(reply.content)
         except orjson.JSONDecodeError as exc:
-            raise bad_response(self.url, reply, exc) from exc
+            raise bad_response(self.url, reply.status, reply.content, exc) from exc
         return info
 
     def close(self) -> None:

@@ -65,6 +65,8 @@ from rich.text import Text
 
 from clients._connection import split_service_url
 from clients.http import (
+    UNDECODABLE,
+    bad_response,
     decode_response,
     encode_request,
     encode_structure,
@@ -199,6 +201,26 @@ class _HttpBackend:
             limits=httpx.Limits(max_connections=options.concurrency),
         )
 
+    def _results(self, response: httpx.Response, n_structures: int) -> list[dict[str, Any]]:
+        """A 2xx answer's results; anything but one so2serve result per structure sent stops
+        the run (every batch would meet the same service)."""
+        try:
+            document = decode_response(
+                response.content, response.headers.get("content-type", "application/json")
+            )
+            results = [result_arrays(r) for r in document["results"]]
+        except UNDECODABLE as exc:
+            error = bad_response(
+                str(self._options.url), response.status_code, response.content, exc
+            )
+            raise ScreenAborted(str(error)) from exc
+        if len(results) != n_structures:
+            raise ScreenAborted(
+                f"{self._options.url} answered {len(results)} result(s) for {n_structures} "
+                "structure(s): not an so2serve answer"
+            )
+        return results
+
     async def evaluate(self, atoms: list[Atoms]) -> list[dict[str, Any]]:
         body = encode_request([encode_structure(a, binary=True) for a in atoms], PROPERTIES, True)
         retries = self._options.retries
@@ -227,9 +249,16 @@ class _HttpBackend:
                     raise _GaveUp("unreachable", f"{type(exc).__name__}: {exc}") from exc
                 await asyncio.sleep(retry_delay(attempt, self._options.backoff_s, None))
                 continue
+            if 200 <= response.status_code < 300:
+                return self._results(response, len(atoms))
             if response.status_code < 400:
-                document = decode_response(response.content, response.headers["content-type"])
-                return [result_arrays(r) for r in document["results"]]
+                # A redirect (e.g. http:// to https://) is not followed: the batch's body would
+                # not go with every kind of redirect, and the address should be the service's.
+                raise ScreenAborted(
+                    f"{self._options.url} answered {response.status_code} "
+                    f"{response.headers.get('location', '')}: --url must name the so2serve "
+                    "service itself"
+                )
             error = error_from_response(response.status_code, response.content)
             if response.status_code in _FATAL_STATUS:
                 raise ScreenAborted(str(error))
