@@ -907,10 +907,12 @@ class Engine:
             m.queue_wait.observe(wait)
 
     def _fail(self, batch: _Batch, exc: BaseException) -> None:
+        """A pass failed as a whole (per-structure failures are isolated before this): no
+        structure is named, so a client does not blame one and resend the rest."""
         for chunk in batch.chunks:
             chunk.job.in_flight -= 1
             if not chunk.job.future.done():
-                self._abandon(chunk.job, EvaluationFailedError(index=chunk.start, cause=exc))
+                self._abandon(chunk.job, EvaluationFailedError(index=None, cause=exc))
 
     def _abandon(self, job: _Job, reason: BaseException) -> None:
         """Fail a request as a whole (no partial results) and drop what is still queued."""

@@ -58,12 +58,14 @@ class StructureTooLargeError(EngineError):
 
 
 class EvaluationFailedError(EngineError):
-    """The model raised an unexpected error on one structure (HTTP 500)."""
+    """The model raised an unexpected error on one structure, or on a whole device pass that
+    no structure is to blame for (``index`` None) (HTTP 500)."""
 
     code = "evaluation_failed"
 
-    def __init__(self, *, index: int, cause: BaseException) -> None:
-        super().__init__(f"evaluating structures[{index}] failed: {type(cause).__name__}: {cause}")
+    def __init__(self, *, index: int | None, cause: BaseException) -> None:
+        what = "the batch" if index is None else f"structures[{index}]"
+        super().__init__(f"evaluating {what} failed: {type(cause).__name__}: {cause}")
         self.index = index
 
 

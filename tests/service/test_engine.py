@@ -472,6 +472,28 @@ def test_a_model_error_fails_only_its_request() -> None:
     assert_same(run_engine(pot, scenario), direct(PairPotential(), good))
 
 
+def test_a_failed_pass_blames_no_structure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass that fails as a whole (outside the per-structure isolation) fails its requests
+    without naming a structure: naming the first made ``screen`` mark that one failed and send
+    the others again. The engine then keeps serving."""
+    pot = PairPotential()
+    request = structures_of(small_molecule("H2O"), small_molecule("CH4"))
+    working = Worker.run
+
+    def broken(self: Worker, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> EvaluationResult:
+        monkeypatch.setattr(Worker, "run", broken)
+        with pytest.raises(EvaluationFailedError, match="evaluating the batch failed") as caught:
+            await engine.evaluate(request, PROPS)
+        assert caught.value.index is None
+        monkeypatch.setattr(Worker, "run", working)
+        return await engine.evaluate(request, PROPS)
+
+    assert_same(run_engine(pot, scenario), direct(PairPotential(), request))
+
+
 class NaNOnMethane(PairPotential):
     def predict(self, structures: Structures, properties: Any) -> Any:
         out = super().predict(structures, properties)
