@@ -226,10 +226,14 @@ class Execution(BaseModel):
 
 
 class Timings(BaseModel):
-    decode_ms: float = Field(description="reading, parsing and validating the request")
+    read_ms: float = Field(description="receiving the request body")
+    decode_ms: float = Field(description="parsing and validating the request")
     admit_ms: float = Field(description="the engine's admission checks and edge estimate")
     queue_ms: float = Field(description="waiting for the first device pass")
     compute_ms: float = Field(description="device passes that carried this request (shared)")
+    handoff_ms: float = Field(description="last pass ended → the request's handler runs again")
+    return_ms: float = Field(description="last pass ended → its results reached the event loop")
+    resume_ms: float = Field(description="results on the event loop → the handler runs again")
     total_ms: float = Field(description="server time before encoding the answer")
 
 

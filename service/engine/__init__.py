@@ -9,12 +9,11 @@ from service.engine.errors import (
     StructureTooLargeError,
     TooManyAtomsError,
 )
-from service.engine.evaluator import PROPERTIES, Evaluator
+from service.engine.evaluator import Evaluator
 from service.engine.metrics import ServiceMetrics
 from service.engine.worker import BatchOutput, Worker
 
 __all__ = [
-    "PROPERTIES",
     "BatchLimits",
     "BatchOutput",
     "Engine",

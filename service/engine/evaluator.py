@@ -14,9 +14,6 @@ from torch import Tensor
 
 from service.graph.structures import Structures
 
-PROPERTIES: tuple[str, ...] = ("energy", "forces", "stress", "energies", "virial")
-"""Properties a client may ask for. Energy is always computed."""
-
 
 class ExecutionLike(Protocol):
     """Which code path produced the numbers (reported in every response)."""

@@ -1,11 +1,12 @@
 """The device side of the engine: one batch at a time, out-of-memory recovery, host copies.
 
-``Worker.run`` executes in its device's worker thread, so exactly one stream of work is in
-flight on each device. On a device out-of-memory error the worker drops the evaluator's
-recorded CUDA graphs (their memory pools), bisects the batch by structure and retries each
-half; a structure that fails alone is reported per structure (``StructureTooLargeError`` for
-memory), so the rest of the batch still gets its results and nobody receives partial or stale
-numbers.
+``Worker.run`` executes in its device's worker thread, or, for a lone client's small request
+while every device is idle, inline on the event loop's thread; the engine never overlaps the
+two, so exactly one stream of work is in flight on each device. On a device out-of-memory
+error the worker drops the evaluator's recorded CUDA graphs (their memory pools), bisects the
+batch by structure and retries each half; a structure that fails alone is reported per
+structure (``StructureTooLargeError`` for memory), so the rest of the batch still gets its
+results and nobody receives partial or stale numbers.
 """
 
 from __future__ import annotations
@@ -219,7 +220,8 @@ class DeviceThread:
 
 
 class Worker:
-    """Runs batches on the evaluator's device; call ``run`` from one thread only."""
+    """Runs batches on the evaluator's device; calls of ``run`` must not overlap (the engine
+    makes them from the device thread, or inline from the event loop while the device idles)."""
 
     def __init__(self, evaluator: Evaluator, metrics: ServiceMetrics) -> None:
         self._evaluator = evaluator

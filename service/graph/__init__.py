@@ -1,15 +1,15 @@
-"""Per-request graph: validated structures → neighbour graph → edge cache → force assembly."""
+"""Per-request graph: validated structures → neighbour graph → edge cache → force assembly.
+
+Modules here import from ``so2kernels`` inside the functions that use it: importing that
+package registers every Triton kernel, and the graph layer should not pay for that just to be
+imported.
+"""
 
 from service.graph.assembly import ForcesVirial, assemble_forces_virial, stress_from_virial
 from service.graph.edge_cache import EdgeCache, build_edge_cache
 from service.graph.errors import InvalidStructureError
 from service.graph.neighbors import Graph, build_graph, edge_vectors
-from service.graph.radial import (
-    bessel_basis,
-    c3_envelope,
-    gaussian_basis,
-    initial_bessel_frequencies,
-)
+from service.graph.radial import c3_envelope
 from service.graph.structures import StructureArrays, Structures, symbols_to_numbers
 from service.graph.wigner import edge_quaternion, quaternion_to_rotation, wigner_d
 
@@ -21,14 +21,11 @@ __all__ = [
     "StructureArrays",
     "Structures",
     "assemble_forces_virial",
-    "bessel_basis",
     "build_edge_cache",
     "build_graph",
     "c3_envelope",
     "edge_quaternion",
     "edge_vectors",
-    "gaussian_basis",
-    "initial_bessel_frequencies",
     "quaternion_to_rotation",
     "stress_from_virial",
     "symbols_to_numbers",

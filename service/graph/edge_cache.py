@@ -50,30 +50,6 @@ class EdgeCache:
     lmax: int
     eps: float
 
-    def wigner_for(self, lmax: int) -> Tensor:
-        """(E, (L+1)², (L+1)²) leading blocks for a block of degree ``L`` ≤ ``self.lmax``,
-        contiguous (the fused kernels need the block's own size)."""
-        self._check_lmax(lmax)
-        dim = (lmax + 1) ** 2
-        return self.wigner if lmax == self.lmax else self.wigner[:, :dim, :dim].contiguous()
-
-    def reduced_wigner(self, lmax: int | None = None) -> Tensor:
-        """(E, 3L+1, (L+1)²) the rows of ``D`` ever read with mmax = 1, in m-major order
-        (``[m=0: l=0..L | m=−1: l=1..L | m=+1: l=1..L]``, see ``so2kernels._layout``)."""
-        # Imported here: the layout contract lives in so2kernels, whose package import pulls in
-        # every Triton kernel; the graph layer should not pay for that just to be imported.
-        from so2kernels._layout import reduced_to_packed_tensor
-
-        lmax = self.lmax if lmax is None else lmax
-        self._check_lmax(lmax)
-        dim = (lmax + 1) ** 2
-        rows = reduced_to_packed_tensor(lmax, self.wigner.device)
-        return self.wigner[:, :dim, :dim].index_select(1, rows)
-
-    def _check_lmax(self, lmax: int) -> None:
-        if not 0 <= lmax <= self.lmax:
-            raise ValueError(f"the cache holds Wigner-D up to lmax={self.lmax}, asked for {lmax}")
-
 
 def regularised_length(vec: Tensor, eps: float) -> Tensor:
     """(E,) ``sqrt(|r|² + eps²)`` of (E, 3) vectors, never 0; its backward is the closed form
@@ -86,7 +62,7 @@ def regularised_length(vec: Tensor, eps: float) -> Tensor:
 class _RegularisedLength(torch.autograd.Function):
     @staticmethod
     def forward(vec: Tensor, eps: float) -> Tensor:
-        # Imported here for the reason given in EdgeCache.reduced_wigner.
+        # Imported here: see the package docstring (service/graph/__init__.py).
         from so2kernels._layout import device_constant
 
         eps_row = device_constant((eps,), vec.device, vec.dtype)
@@ -133,7 +109,7 @@ class _InverseSqrtDegree(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_deg: Tensor | None, grad_inv: Tensor | None
     ) -> tuple[Tensor | None, None, None]:
-        # Imported here for the reason given in EdgeCache.reduced_wigner.
+        # Imported here: see the package docstring (service/graph/__init__.py).
         from so2kernels._layout import device_constant
         from so2kernels.segment import segment_broadcast
 

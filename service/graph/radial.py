@@ -1,4 +1,5 @@
-"""Radial functions of the edge length: C³ cutoff envelopes and radial bases (model-dpa4.md §2.2).
+"""C³ cutoff envelopes of the edge length (model-dpa4.md §2.2). The radial bases they multiply
+are the model's (trainable): :class:`service.model.layers.embedding.RadialBasis`.
 
 All are elementwise torch expressions, differentiable to any order, in the dtype of ``length``.
 """
@@ -145,47 +146,3 @@ class _C3Envelopes(torch.autograd.Function):
             if grad is not None:
                 total = grad * slope if total is None else torch.addcmul(total, grad, slope)
         return total, None, None
-
-
-def initial_bessel_frequencies(
-    n: int, rcut: float, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> Tensor:
-    """(n,) ``k·π/rcut`` for k = 1..n: the initial (trainable) Bessel frequencies."""
-    return torch.arange(1, n + 1, dtype=dtype, device=device) * (math.pi / rcut)
-
-
-_SINC_SERIES_BELOW = 0.05
-"""Below this |w r| the sinc uses its Taylor series (error < 1e-16 relative); above, the direct
-quotient has no cancellation in its value."""
-
-
-def _sinc(x: Tensor) -> Tensor:
-    """``sin(x)/x`` with finite derivatives of every order at and near 0 (``torch.sinc``'s second
-    derivative is NaN at 0)."""
-    small = x.abs() < _SINC_SERIES_BELOW
-    xs = torch.where(small, x, torch.zeros_like(x))
-    x2 = xs * xs
-    series = 1.0 - x2 / 6.0 * (1.0 - x2 / 20.0 * (1.0 - x2 / 42.0))
-    xl = torch.where(small, torch.ones_like(x), x)
-    return torch.where(small, series, torch.sin(xl) / xl)
-
-
-def bessel_basis(length: Tensor, freqs: Tensor) -> Tensor:
-    """(E, n) ``sin(w r)/r = w·sinc(w r)``: finite (→ w) at r → 0 with finite derivatives of
-    every order. No ``√(2/rcut)`` prefactor and no envelope (the caller multiplies one)."""
-    return freqs * _sinc(length.unsqueeze(-1) * freqs)
-
-
-def gaussian_basis(length: Tensor, centers: Tensor, width: float | Tensor) -> Tensor:
-    """(E, n) ``exp(-(r - μ)² / (2σ²))`` for centres μ (n,) and width σ."""
-    diff = length.unsqueeze(-1) - centers
-    return torch.exp(-(diff * diff) / (2.0 * width * width))
-
-
-def initial_gaussian_centers(
-    n: int, rcut: float, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> tuple[Tensor, float]:
-    """(n,) centres ``linspace(0, rcut, n)`` and the width ``rcut/(n-1)``."""
-    if n < 2:
-        raise ValueError(f"a Gaussian basis needs n >= 2, got {n}")
-    return torch.linspace(0.0, rcut, n, dtype=dtype, device=device), rcut / (n - 1)

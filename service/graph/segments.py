@@ -18,8 +18,7 @@ from torch import Tensor
 def csr_segment_sum(values: Tensor, rowptr: Tensor, order: Tensor | None = None) -> Tensor:
     """(S, ...) float64 sums of (E, ...) ``values`` over the S segments of ``rowptr`` (S+1,),
     reading row ``order[k]`` at CSR position k (``order`` (E,) int64, None for the identity)."""
-    # Imported here, as in edge_cache.EdgeCache.reduced_wigner: importing the graph layer should
-    # not register every Triton kernel of the so2kernels package.
+    # Imported here: see the package docstring (service/graph/__init__.py).
     from so2kernels.segment import segment_sum
 
     return segment_sum(values.to(torch.float64), order, rowptr)

@@ -82,7 +82,7 @@ def _pole_blend_terms(unit_z: Tensor, *, slope: bool) -> tuple[Tensor, Tensor | 
     With ``t = (1+z)/2``: ``s(t) = sigmoid(1/(1−t) − 1/t) = sigmoid(z/d)``, ``d = (1 − z²)/4``,
     and ``∂b/∂z = b(1−b)·((1 + z²)/4)/d²``, on ``z`` clamped to ±:data:`_BLEND_SATURATION`
     (where ``b`` is already exactly 0 or 1, so the slope is exactly 0 there)."""
-    # Imported here for the reason given in edge_cache.EdgeCache.reduced_wigner.
+    # Imported here: see the package docstring (service/graph/__init__.py).
     from so2kernels._layout import device_constant
 
     quarter = device_constant((0.25,), unit_z.device, unit_z.dtype)
@@ -111,7 +111,7 @@ class _Frame(NamedTuple):
 
 def _frame_terms(edge_vec: Tensor, edge_len: Tensor, eps: float, *, slopes: bool) -> _Frame:
     """The edge frame in differentiable torch ops (the VJP's create_graph path reuses it)."""
-    # Imported here for the reason given in edge_cache.EdgeCache.reduced_wigner.
+    # Imported here: see the package docstring (service/graph/__init__.py).
     from so2kernels._layout import device_constant
 
     device, dtype = edge_vec.device, edge_vec.dtype
@@ -152,7 +152,7 @@ def _frame_vjp(frame: _Frame, edge_len: Tensor, grad: Tensor) -> tuple[Tensor, T
     final normalisation, the blend, both charts' normalisation, the signed chart gather and
     ``r̂ = r / sqrt(len² + eps²)``, each in closed form (the sign alignment is locally
     constant)."""
-    # Imported here for the reason given in edge_cache.EdgeCache.reduced_wigner.
+    # Imported here: see the package docstring (service/graph/__init__.py).
     from so2kernels._layout import device_constant
 
     quat, charts = frame.quat, frame.charts
@@ -451,7 +451,7 @@ def _monomials(q: Tensor, gather_index: Tensor, max_power: int) -> Tensor:
     All powers ``q_c^0..q_c^max_power`` are one ``pow`` against a constant exponent row: its
     derivative masks the zero exponents (``0·q^-1`` is never formed), so every derivative order
     stays finite at q_c = 0 (the poles have exact zeros). One gather serves all four components."""
-    # Imported here for the reason given in edge_cache.EdgeCache.reduced_wigner.
+    # Imported here: see the package docstring (service/graph/__init__.py).
     from so2kernels._layout import device_constant
 
     exponents = device_constant(tuple(float(k) for k in range(max_power + 1)), q.device, q.dtype)
@@ -471,15 +471,6 @@ def _dense_values(q: Tensor, lmax: int) -> Tensor:
         total = part if total is None else total + part
     assert total is not None
     return total
-
-
-def wigner_blocks(q: Tensor, lmax: int) -> list[Tensor]:
-    """Per-degree real Wigner-D blocks ``[(E, 2l+1, 2l+1) for l in 0..lmax]`` in q's dtype
-    (views of the dense matrix)."""
-    if not 0 <= lmax <= MAX_LMAX:
-        raise ValueError(f"wigner_d supports lmax in 0..{MAX_LMAX}, got {lmax}")
-    dense = _dense_with_autograd(q, lmax)
-    return [dense[:, l * l : (l + 1) ** 2, l * l : (l + 1) ** 2] for l in range(lmax + 1)]
 
 
 def _dense_with_autograd(q: Tensor, lmax: int) -> Tensor:

@@ -163,7 +163,6 @@ def test_defaults_and_dtypes() -> None:
     assert s.cells.dtype == torch.float64 and s.pbc.dtype == torch.bool
     assert s.ptr.tolist() == [0, 3, 6, 9] and s.n_structures == 3 and s.n_atoms == 9
     assert s.atom_batch.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert torch.allclose(s.volumes, torch.tensor([125.0, 0.0, 120.0], dtype=torch.float64))
     assert float(s.cells[1].abs().sum()) == 0.0
 
 
@@ -183,23 +182,16 @@ def test_from_atoms() -> None:
     assert torch.allclose(s.positions[2:], torch.from_numpy(h2o.positions))
 
 
-def test_concat_and_split() -> None:
+def test_concat() -> None:
     a = Structures.from_arrays([_item(), _item(cell=None)])
     b = Structures.from_arrays([_item(numbers=[8, 1, 2])])
     merged = Structures.concat([a, b])
     assert merged.ptr.tolist() == [0, 3, 6, 9]
     assert merged.numbers.tolist() == [8, 1, 1, 8, 1, 1, 8, 1, 2]
     assert merged.pbc.tolist() == [[True] * 3, [False] * 3, [True] * 3]
-    per_atom = torch.arange(9.0)
-    parts = merged.split(per_atom)
-    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    rows = merged.split_structures(torch.arange(3.0))
-    assert [float(r) for r in rows] == [0.0, 1.0, 2.0]
     assert Structures.concat([a]) is a
     moved = merged.to("cpu")
     assert torch.equal(moved.positions, merged.positions)
-    with pytest.raises(ValueError):
-        merged.split(torch.zeros(4))
 
 
 def test_validation_is_fast() -> None:

@@ -12,7 +12,6 @@ from service.graph.wigner import (
     MAX_LMAX,
     edge_quaternion,
     quaternion_to_rotation,
-    wigner_blocks,
     wigner_d,
 )
 from tests.conftest import shared_path
@@ -202,14 +201,9 @@ def test_gradcheck_generic_and_near_poles() -> None:
     assert torch.autograd.gradcheck(lambda v: wigner_d(_quat(v), 3), (vec,), atol=1e-6)
 
 
-def test_blocks_match_full() -> None:
-    q = _random_quat(5, 9)
-    blocks = wigner_blocks(q, 4)
-    d = wigner_d(q, 4)
-    for l, block in enumerate(blocks):
-        assert torch.equal(d[:, l * l : (l + 1) ** 2, l * l : (l + 1) ** 2], block)
+def test_lmax_beyond_the_tables_is_refused() -> None:
     with pytest.raises(ValueError):
-        wigner_d(q, MAX_LMAX + 1)
+        wigner_d(_random_quat(5, 9), MAX_LMAX + 1)
 
 
 def test_chunked_no_grad_path_equals_autograd_path(monkeypatch: pytest.MonkeyPatch) -> None:
