@@ -32,7 +32,8 @@ from clients._properties import IMPLEMENTED_PROPERTIES, SerialCalculator, proper
 WireChoice = Literal["json", "msgpack"]
 _JSON = "application/json"
 _MSGPACK = "application/msgpack"
-_TRANSIENT_STATUS = frozenset((502, 503, 504))
+TRANSIENT_STATUS = frozenset((502, 503, 504))
+"""Statuses worth retrying: the service (or a proxy before it) is restarting or saturated."""
 _FLOAT64_LE = np.dtype("<f8")
 
 DEFAULT_SPIN_LEAD_MS = 0.4
@@ -279,7 +280,7 @@ class SO2Calculator(SerialCalculator):
                 continue
             if 200 <= reply.status < 300:
                 return reply
-            if reply.status not in _TRANSIENT_STATUS or last:
+            if reply.status not in TRANSIENT_STATUS or last:
                 raise error_from_response(reply.status, reply.content)
             time.sleep(retry_delay(attempt, self.backoff_s, reply.header("retry-after")))
         raise AssertionError("unreachable: the loop returns or raises on its last attempt")

@@ -65,6 +65,7 @@ from rich.text import Text
 
 from clients._connection import split_service_url
 from clients.http import (
+    TRANSIENT_STATUS,
     UNDECODABLE,
     bad_response,
     decode_response,
@@ -86,7 +87,6 @@ JOURNAL_FILE = "journal.jsonl"
 READ_CHUNK = 64
 """Frames parsed per hand-over from the reading thread."""
 
-_TRANSIENT_STATUS = frozenset((502, 503, 504))
 _FATAL_STATUS = frozenset((401, 403, 404, 405, 415, 501))  # 501: a server without POST
 _NO_CONNECTION = (httpx.ConnectError, httpx.ConnectTimeout)
 _STRUCTURE_FIELD = re.compile(r"^structures\[(\d+)\]")
@@ -262,7 +262,7 @@ class _HttpBackend:
             error = error_from_response(response.status_code, response.content)
             if response.status_code in _FATAL_STATUS:
                 raise ScreenAborted(str(error))
-            if response.status_code not in _TRANSIENT_STATUS:
+            if response.status_code not in TRANSIENT_STATUS:
                 raise _Rejected(error.code, str(error), _structure_index(error.detail))
             if attempt == retries:
                 raise _GaveUp(error.code, str(error))

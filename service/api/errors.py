@@ -7,8 +7,8 @@ Status, code and when:
 * 401 ``unauthorized``: API key missing or wrong (when one is set).
 * 404 ``not_found``: unknown route; 405 ``method_not_allowed``: wrong method for the route.
 * 408 ``body_timeout``: the body did not arrive within ``body_timeout_s`` (``evaluate.py``).
-* 413 ``too_many_atoms``: a structure above ``--max-atoms``; 413 ``body_too_large``: body above
-  ``--max-body-mb``.
+* 413 ``too_many_atoms``: a structure, or a request's structures together, above the atom
+  limits (``--max-atoms``, ``/info``); 413 ``body_too_large``: body above ``--max-body-mb``.
 * 415 ``unsupported_media_type``: neither JSON nor msgpack.
 * 422 ``invalid_request``: schema violation (unknown property, wrong type, …);
   ``detail.errors`` names each field. 422 ``bad_array``: a msgpack binary array of the wrong

@@ -40,7 +40,8 @@ list.
 The recorded graph reads the model's parameters by address: any change to a parameter (in-place
 update, ``load_state_dict``) bumps its version and drops every captured graph. Each graph owns a
 private memory pool (sharing one pool across captures tripped an allocator assert in torch 2.11);
-together they are bounded by :data:`MEMORY_FRACTION` of the device.
+together they are bounded by :data:`MEMORY_FRACTION` of the device, except that the graph just
+recorded is always kept (alone it may exceed that share).
 """
 
 # Triton kernels take untyped pointer/constexpr arguments and @triton.jit is an untyped decorator.
