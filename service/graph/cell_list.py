@@ -36,7 +36,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from service.graph.errors import InvalidStructureError
+from service.graph.errors import (
+    MAX_IMAGE_WINDOW,
+    coincident_atoms_error,
+    thin_cell_error,
+)
 
 COINCIDENT_DISTANCE = 1e-4
 """Å. Distinct atoms (or an atom and its own image) closer than this are rejected: far below any
@@ -47,7 +51,6 @@ WINDOW_MARGIN = 1.0 + 1e-6
 coordinates can never push a pair at exactly the cutoff outside the window."""
 
 _FAR = 2.0**40
-_MAX_WINDOW = 2**21
 
 _MAX_SORT_KEY = 2**62
 
@@ -230,15 +233,8 @@ def _build_grid(
 
 def _check_windows(visits: Tensor, batch: Tensor) -> None:
     """Refuse cells so thin that one atom's image window would not fit in memory at all."""
-    if float(visits.max()) > _MAX_WINDOW:
-        structure = int(batch[visits.argmax()])
-        raise InvalidStructureError(
-            "singular_cell",
-            f"structure {structure}: the cell is so thin that {float(visits.max()):.3g} "
-            "periodic images lie within the cutoff",
-            field=f"structures[{structure}].cell",
-            index=structure,
-        )
+    if float(visits.max()) > MAX_IMAGE_WINDOW:
+        raise thin_cell_error(int(batch[visits.argmax()]), float(visits.max()))
 
 
 def _linear_bin(xyz: Tensor, n_bins: Tensor) -> Tensor:
@@ -409,18 +405,8 @@ def raise_if_coincident(
     i, j = int(dst[k]), int(src[k])
     structure = int(batch[i])
     first = int(torch.nonzero(batch == structure)[0, 0])
-    shift = shifts[k].tolist()
-    what = (
-        f"atom {i - first} coincides with its own periodic image {shift}"
-        if i == j
-        else f"atoms {i - first} and {j - first} (image {shift}) are coincident"
-    )
-    raise InvalidStructureError(
-        "coincident_atoms",
-        f"structure {structure}: {what}: distance {float(dist2[k]) ** 0.5:.3g} Å "
-        f"< {min_distance:g} Å",
-        field=f"structures[{structure}].positions",
-        index=structure,
+    raise coincident_atoms_error(
+        structure, (i - first, j - first), shifts[k].tolist(), float(dist2[k]) ** 0.5, min_distance
     )
 
 

@@ -37,6 +37,42 @@ class InvalidStructureError(ValueError):
         }
 
 
+MAX_IMAGE_WINDOW = 2**21
+"""Periodic images one atom's search may visit; a cell far thinner than the cutoff (which
+validation would have refused) needs more and is rejected as singular."""
+
+
+def thin_cell_error(structure: int, n_images: float) -> InvalidStructureError:
+    """``singular_cell``: more than :data:`MAX_IMAGE_WINDOW` images within the cutoff."""
+    return InvalidStructureError(
+        "singular_cell",
+        f"structure {structure}: the cell is so thin that {n_images:.3g} periodic images lie "
+        "within the cutoff",
+        field=f"structures[{structure}].cell",
+        index=structure,
+    )
+
+
+def coincident_atoms_error(
+    structure: int, pair: tuple[int, int], shift: object, distance: float, min_distance: float,
+    field_prefix: str = "structures",
+) -> InvalidStructureError:  # fmt: skip
+    """``coincident_atoms``: atoms ``pair`` (numbered within the structure) closer than
+    ``min_distance`` Å through image ``shift``, or one atom and its own image."""
+    i, j = pair
+    what = (
+        f"atom {i} coincides with its own periodic image {shift}"
+        if i == j
+        else f"atoms {i} and {j} (image {shift}) are coincident"
+    )
+    return InvalidStructureError(
+        "coincident_atoms",
+        f"structure {structure}: {what}: distance {distance:.3g} Å < {min_distance:g} Å",
+        field=f"{field_prefix}[{structure}].positions",
+        index=structure,
+    )
+
+
 def _rebuild(
     code: str, message: str, field: str | None, index: int | None
 ) -> InvalidStructureError:

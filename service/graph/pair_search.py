@@ -60,14 +60,15 @@ from numpy.typing import NDArray
 from torch import Tensor
 
 from service.graph.cell_list import WINDOW_MARGIN, binning_frames
-from service.graph.errors import InvalidStructureError
+from service.graph.errors import (
+    MAX_IMAGE_WINDOW,
+    InvalidStructureError,
+    thin_cell_error,
+)
 
 TABLE_WIDTH = 17
 _DUAL, _REACH, _IMAGES, _CUTOFF2, _MIN2 = 0, 9, 12, 15, 16
 
-MAX_IMAGES_PER_STRUCTURE = 2**21
-"""Image windows larger than this (a cell far thinner than the cutoff, which validation would
-have refused) are rejected as singular, as the cell list rejects such windows."""
 
 MAX_CANDIDATES_PER_ATOM = 2**31 - 1
 """The per-destination candidate index is 32-bit; a structure whose atoms each visit more
@@ -118,16 +119,10 @@ def image_windows(
     with np.errstate(invalid="ignore", over="ignore"):
         images = np.floor(2.0 * reach) + 1.0
     window = images.prod(axis=1)
-    bad = ~np.isfinite(window) | (window > MAX_IMAGES_PER_STRUCTURE)
+    bad = ~np.isfinite(window) | (window > MAX_IMAGE_WINDOW)
     if bad.any():
         b = int(np.flatnonzero(bad)[0])
-        raise InvalidStructureError(
-            "singular_cell",
-            f"structure {b}: the cell is so thin that {window[b]:.3g} periodic images lie "
-            "within the cutoff",
-            field=f"structures[{b}].cell",
-            index=b,
-        )
+        raise thin_cell_error(b, float(window[b]))
     sizes = np.diff(ptr.numpy())
     per_atom = sizes * window
     if per_atom.max(initial=0) > MAX_CANDIDATES_PER_ATOM:

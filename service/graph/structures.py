@@ -25,7 +25,10 @@ from numpy.typing import ArrayLike, NDArray
 from torch import Tensor
 
 from service.graph.cell_list import COINCIDENT_DISTANCE, atom_batch_index
-from service.graph.errors import InvalidStructureError
+from service.graph.errors import (
+    InvalidStructureError,
+    coincident_atoms_error,
+)
 
 MAX_ATOMIC_NUMBER = 118
 
@@ -259,18 +262,10 @@ class Structures:
         if pair is None:
             return
         b = pair.structure
-        i, j = pair.first - int(ptr[b]), pair.second - int(ptr[b])
-        what = (
-            f"atom {i} coincides with its own periodic image {pair.shift}"
-            if i == j
-            else f"atoms {i} and {j} (image {pair.shift}) are coincident"
-        )
-        raise InvalidStructureError(
-            "coincident_atoms",
-            f"structure {b}: {what}: distance {pair.distance:.3g} Å < {min_distance:g} Å",
-            field=f"{field_prefix}[{b}].positions",
-            index=b,
-        )
+        raise coincident_atoms_error(
+            b, (pair.first - int(ptr[b]), pair.second - int(ptr[b])), pair.shift, pair.distance,
+            min_distance, field_prefix,
+        )  # fmt: skip
 
 
 # per-structure validation (numpy, host)
