@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from service.model.errors import ModelConfigError, ModelFileError
+from service.model.errors import ModelFileError
 from service.training.config import (
     CHECKPOINT_NAME,
     ConfigError,
@@ -54,7 +54,6 @@ def train_command(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> TrainResult:
     """Train a model as the config says; writes the model file, checkpoint and logs."""
-    from service.training.data import DataError
     from service.training.loop import train
 
     _configure_logging(verbose)
@@ -69,7 +68,12 @@ def train_command(
         raise _error(str(exc)) from exc
     try:
         result = train(run_config)
-    except (ConfigError, DataError, ModelConfigError, ModelFileError) as exc:
+    except FloatingPointError as exc:
+        raise _error(f"{exc}; lower optim.lr (or set optim.clip_norm), then resume from "
+                     f"the last checkpoint: {_resumable(run_config)}") from exc  # fmt: skip
+    # ConfigError, DataError, ModelConfigError, ModelFileError, and a model architecture the
+    # chosen run.path cannot run: all ValueErrors.
+    except ValueError as exc:
         raise _error(str(exc)) from exc
     except KeyboardInterrupt:  # 128 + SIGINT, as a shell reports it
         raise _error(f"interrupted; {_resumable(run_config)}", code=130) from None

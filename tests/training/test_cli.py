@@ -48,6 +48,27 @@ def test_train_bad_config_is_a_clean_error(tmp_path: Path, override: str, fragme
     assert fragment in output
 
 
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        # An architecture outside the fused kernels' regime on the fused path (found once the
+        # model is placed, after the data loaded).
+        (('run.path="fused"', "model.overrides.mixing_layers=1"), "fused"),
+        # A diverging run: the loss turns NaN at its second step.
+        (("optim.lr=1e30", "optim.clip_norm=0"), "lower optim.lr"),
+    ],
+)
+def test_train_failures_found_while_training_are_clean_errors(
+    tmp_path: Path, overrides: tuple[str, ...], fragment: str
+) -> None:
+    system = write_water_system(tmp_path / "sys", 4)
+    config = tiny_run_config_file(tmp_path, system)
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    code, output, exception = _cli("train", str(config), *sets)
+    _assert_clean_error(code, output, exception)
+    assert fragment in output
+
+
 def test_train_on_an_empty_set_is_a_clean_error(tmp_path: Path) -> None:
     """A set with 0 frames is reported with its file name, exit code 2."""
     system = write_water_system(tmp_path / "sys", 2)
