@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from ase.data import atomic_numbers
 
+from service.model.errors import ModelFileError, non_finite_fields
 from service.model.potential import Potential, Prediction, load_potential
 from service.training.data import (
     DataError,
@@ -100,11 +101,24 @@ def evaluate_batches(
     parity = ParityData() if collect_parity else None
     for batch in batches:
         prediction = predict_batch(potential, batch, properties)
+        _require_finite(prediction)
         labels = batch.labels.to(potential.device)
         errors.add(batch_errors(labels, prediction.energy, prediction.forces, prediction.virial))
         if parity is not None:
             parity.add(batch, prediction)
     return SetResult(errors, parity)
+
+
+def _require_finite(prediction: Prediction) -> None:
+    """A NaN or inf prediction would read as a missing label in the error statistics."""
+    values = {"energy": prediction.energy, "forces": prediction.forces}
+    host = {k: None if v is None else v.detach().cpu().numpy() for k, v in values.items()}
+    bad = non_finite_fields(host)
+    if bad:
+        raise ModelFileError(
+            f"the model predicted non-finite {' and '.join(bad)} (NaN or inf): its weights or "
+            "the structures are unusable"
+        )
 
 
 def evaluate_frames(
@@ -185,6 +199,8 @@ def evaluate_model(
     for output, what in ((json_output, "JSON report"), (parity_plot, "parity plot")):
         if output is not None:
             _check_output_file(output, what)
+    if parity_plot is not None and parity_plot.suffix.lower() != ".png":
+        raise ValueError(f"the parity plot is written as PNG: give a .png path, not {parity_plot}")
     potential = load_potential(model, device=device, path=path, precision=precision)
     dataset = load_dataset(list(data), type_map=type_map or potential.config.type_map)
     if all(f.energy is None and f.forces is None and f.virial is None for f in dataset):
@@ -220,10 +236,13 @@ def evaluate_model(
         systems=systems,
         overall=_finite_summary(overall, len(dataset)),
     )
-    if json_output is not None:
-        json_output.write_text(report.to_json() + "\n")
-    if parity_plot is not None:
-        write_parity_plot(all_parity, parity_plot, title=report.model)
+    try:
+        if json_output is not None:
+            json_output.write_text(report.to_json() + "\n")
+        if parity_plot is not None:
+            write_parity_plot(all_parity, parity_plot, title=report.model)
+    except OSError as exc:  # checked before the run, but a disk can fill or a mount vanish
+        raise ValueError(f"cannot write the results: {exc}") from exc
     return report
 
 

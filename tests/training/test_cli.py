@@ -7,7 +7,10 @@ before any work is done).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -126,3 +129,31 @@ def test_eval_unwritable_output_is_a_clean_error(tmp_path: Path, option: str) ->
     )
     _assert_clean_error(code, output, exception)
     assert target in output
+
+
+def test_eval_of_a_model_predicting_nan_is_a_clean_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN energy used to read as a missing label: ``"rmse": null`` and exit code 0."""
+    from service.model.potential import Potential
+
+    predict = Potential.predict
+
+    def broken(self: Potential, *args: Any, **kwargs: Any) -> Any:
+        prediction = predict(self, *args, **kwargs)
+        return dataclasses.replace(prediction, energy=prediction.energy * math.nan)
+
+    monkeypatch.setattr(Potential, "predict", broken)
+    system = write_water_system(tmp_path / "sys", 2, molecules=3, periodic=True)
+    code, output, exception = _cli("eval", "default", str(system), "--device", "cpu")
+    _assert_clean_error(code, output, exception)
+    assert "non-finite energy" in output
+
+
+def test_eval_plot_path_must_be_png(tmp_path: Path) -> None:
+    """Refused before any evaluation (it failed after the whole run, in matplotlib)."""
+    system = write_water_system(tmp_path / "sys", 2, molecules=3, periodic=True)
+    code, output, exception = _cli("eval", "default", str(system), "--device", "cpu",
+                                   "--plot", str(tmp_path / "parity.xyz"))  # fmt: skip
+    _assert_clean_error(code, output, exception)
+    assert ".png" in output
