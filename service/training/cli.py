@@ -81,6 +81,7 @@ def train_command(
         json.dumps(
             {
                 "model": str(result.model_path),
+                "finished": result.finished,
                 "steps": result.steps,
                 "exported_step": result.exported_step,
                 "wall_s": round(result.wall_s, 1),

@@ -123,7 +123,8 @@ class RunConfig:
     budget or at ``steps``, whichever comes first (not bit-reproducible across machines)."""
     session_steps: int = 0
     """Stop this invocation after this many steps (checkpointing), e.g. to fit a job slot;
-    resume later with ``run.resume``. 0 runs to the end."""
+    resume later with ``run.resume``. 0 runs to the end. A session that stops early writes its
+    model to the run folder only, never to ``export_path``."""
     eval_every: int = 100
     checkpoint_every: int = 500
     output_dir: str = "runs/train"
@@ -323,3 +324,6 @@ class TrainResult:
     exported_step: int
     log_csv: Path
     log_jsonl: Path
+    finished: bool = True
+    """False when ``run.session_steps`` stopped it early (the model is then a snapshot in the run
+    folder; ``run.export_path`` is written when the resumed run finishes)."""

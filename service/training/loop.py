@@ -686,8 +686,13 @@ def _provenance(trainer: Trainer, exported_step: int, metrics: dict[str, float])
     }
 
 
-def _export(trainer: Trainer, output_dir: Path) -> tuple[Path, int, dict[str, float]]:
-    """Save the chosen EMA weights as the model file; returns (path, step, metrics)."""
+def _export(
+    trainer: Trainer, output_dir: Path, *, finished: bool
+) -> tuple[Path, int, dict[str, float]]:
+    """Save the chosen EMA weights as the model file; returns (path, step, metrics). A session
+    that stops before the end (``run.session_steps``) writes its snapshot into the run folder:
+    ``run.export_path`` (which may be a model others load, e.g. the shipped default) gets only
+    a finished run's weights."""
     use_best = trainer.config.run.export == "best" and trainer.best.state is not None
     weights = trainer.evaluated_weights()
     final_state = {k: v.detach().clone() for k, v in weights.state_dict().items()}
@@ -697,7 +702,8 @@ def _export(trainer: Trainer, output_dir: Path) -> tuple[Path, int, dict[str, fl
         step, metrics = trainer.best.step, trainer.best.metrics
     else:
         step, metrics = trainer.step, trainer.validate()
-    path = Path(trainer.config.run.export_path or output_dir / "model.safetensors")
+    export_path = trainer.config.run.export_path if finished else None
+    path = Path(export_path or output_dir / "model.safetensors")
     path.parent.mkdir(parents=True, exist_ok=True)
     save_model(weights, path, provenance=_provenance(trainer, step, metrics))
     if use_best:
@@ -726,6 +732,8 @@ def train(config: TrainConfig) -> TrainResult:
     )
     model = build_model(config, data.type_map)
     resume = config.run.resume and checkpoint_path.exists()
+    if config.run.resume and not resume:
+        log.warning("no checkpoint at %s to resume from: training from the start", checkpoint_path)
     if not resume and not config.model.init_from:
         bias = initialize_energy_bias(
             model,
@@ -769,9 +777,15 @@ def train(config: TrainConfig) -> TrainResult:
         hardware=hardware_info(trainer.device),
     )
     _run_steps(trainer, run_log, checkpoint_path)
-    model_path, exported_step, metrics = _export(trainer, output_dir)
-    run_log.event("export", trainer.step, model=str(model_path), exported_step=exported_step)
+    finished = trainer.finished()
+    model_path, exported_step, metrics = _export(trainer, output_dir, finished=finished)
+    run_log.event("export", trainer.step, model=str(model_path), exported_step=exported_step,
+                  finished=finished)  # fmt: skip
     log.info("wrote %s (weights of step %d): %s", model_path, exported_step, _brief(metrics))
+    if not finished:
+        later = f" and write {config.run.export_path}" if config.run.export_path else ""
+        log.info("session over at step %d of %d: resume (--resume) to finish the run%s",
+                 trainer.step, config.run.steps, later)  # fmt: skip
     return TrainResult(
         output_dir=output_dir,
         model_path=model_path,
@@ -783,6 +797,7 @@ def train(config: TrainConfig) -> TrainResult:
         exported_step=exported_step,
         log_csv=run_log.csv_path,
         log_jsonl=run_log.jsonl_path,
+        finished=finished,
     )
 
 

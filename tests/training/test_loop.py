@@ -219,6 +219,27 @@ def test_logged_schedule_is_that_of_the_logged_step(tmp_path: Path) -> None:
         assert weights == pytest.approx(loss_weights(p, config.optim, config.loss), rel=1e-6)
 
 
+def test_a_session_stopped_early_leaves_export_path_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``run.export_path`` may be a model others load (the shipped default's config points
+    there): a session stopped by ``run.session_steps`` writes its snapshot into the run folder,
+    and only the finished run exports. Resuming without a checkpoint says so."""
+    system = write_water_system(tmp_path / "sys", 4)
+    export = tmp_path / "shipped" / "model.safetensors"
+    settings = ("run.steps=2", f"run.export_path='{export}'")
+    caplog.set_level("WARNING", logger="so2serve.training")
+    session = ("run.session_steps=1", "run.resume=true")
+    first = train(load_config(None, tiny_run_overrides(
+        system, tmp_path / "run", *settings, *session)))  # fmt: skip
+    assert "no checkpoint" in caplog.text
+    assert not first.finished and first.steps == 1
+    assert first.model_path == tmp_path / "run" / "model.safetensors" and not export.exists()
+    done = train(load_config(None, tiny_run_overrides(
+        system, tmp_path / "run", *settings, "run.resume=true")))  # fmt: skip
+    assert done.finished and done.steps == 2 and done.model_path == export and export.is_file()
+
+
 def test_resume_from_a_moved_run_folder(tmp_path: Path) -> None:
     """A run folder copied elsewhere resumes there; run.output_dir, run.device and run.path may
     differ from the checkpoint's (they do not change what is learned)."""
