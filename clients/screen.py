@@ -575,6 +575,10 @@ def _read_frames(source: str) -> Iterator[_Item | _Outcome]:
             for atoms in ase.io.iread(source, index=slice(start, None)):
                 yield _Item(f"{source}@{frame}", source, frame, atoms)
                 frame += 1
+            if frame == 0:  # e.g. a text file or a mistyped glob: not a finished, empty run
+                message = f"no structures in {source} (not a structure file ASE reads?)"
+                yield _Outcome(_Item(f"{source}@0", source, 0, Atoms()), None,
+                               ("unreadable", message))  # fmt: skip
             return
         except Exception as exc:  # ASE raises many types for files it cannot parse
             if alone is None:

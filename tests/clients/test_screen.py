@@ -207,6 +207,22 @@ def screen_locally(inputs: list[Path], out: Path, *, retry_failed: bool = False)
     return report.total, report.succeeded, report.failed, report.skipped
 
 
+def test_a_file_without_structures_is_reported(tmp_path: Path) -> None:
+    """A Markdown file or a blank extxyz reads as zero frames (ASE raises for neither): it ended
+    as a finished run of 0 structures, exit code 0, as if a mistyped glob had worked."""
+    notes = tmp_path / "notes.md"
+    notes.write_text("# Notes\n\nnot a structure file\n")
+    empty = tmp_path / "blank.extxyz"
+    empty.write_text("\n")
+    frames = tmp_path / "two.extxyz"
+    ase.io.write(frames, water_frames(2))
+    out = tmp_path / "out"
+    assert screen_locally([notes, empty, frames], out) == (4, 2, 2, 0)
+    failed = {r["id"]: r["error"] for r in summary_rows(out) if r["status"] == "failed"}
+    assert set(failed) == {f"{notes}@0", f"{empty}@0"}
+    assert all("no structures in" in message for message in failed.values())
+
+
 def test_a_malformed_frame_fails_alone(tmp_path: Path) -> None:
     path = tmp_path / "six.extxyz"
     ase.io.write(path, water_frames(6))
