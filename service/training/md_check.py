@@ -199,10 +199,14 @@ def main(
     """Run the NVE check and write ``md_check.json`` and ``md_energy.png`` to ``out``."""
     from clients import SO2LocalCalculator
 
-    frame = load_dataset([data])[0]
-    calculator = SO2LocalCalculator(
-        model=None if model == "default" else model, device=device, path=path
-    )
+    try:
+        frame = load_dataset([data])[0]
+        calculator = SO2LocalCalculator(
+            model=None if model == "default" else model, device=device, path=path
+        )
+    except ValueError as exc:  # DataError, ModelFileError, a bad device or path: all ValueErrors
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
     report, series = run_nve(
         atoms_from_frame(frame),
         calculator,

@@ -6,11 +6,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import typer
 from ase.calculators.emt import EMT
+from typer.testing import CliRunner
 
+from service.training import md_check
 from service.training.data import load_deepmd_system
 from service.training.md_check import atoms_from_frame, plot_energies, run_nve
 from tests.conftest import shared_path
+from tests.training.synthetic import write_water_system
 
 
 def test_nve_report_and_plot(tmp_path: Path) -> None:
@@ -26,3 +30,23 @@ def test_nve_report_and_plot(tmp_path: Path) -> None:
     assert report.max_h_to_nearest_o < 1.6
     plot_energies(series, report, tmp_path / "md.png")
     assert (tmp_path / "md.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "fragment"),
+    [
+        ("default", "/nonexistent/system", "/nonexistent/system"),
+        ("/nonexistent.safetensors", None, "/nonexistent.safetensors"),
+    ],
+)
+def test_bad_input_is_one_error_line(
+    tmp_path: Path, model: str, data: str | None, fragment: str
+) -> None:
+    """``python -m service.training.md_check`` (MODELS.md) on a missing system or model file:
+    ``error: ...`` and exit code 2, no traceback."""
+    app = typer.Typer()
+    app.command()(md_check.main)
+    system = data or str(write_water_system(tmp_path / "sys", 1, molecules=3, periodic=True))
+    result = CliRunner().invoke(app, [model, system, "--device", "cpu", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "error:" in result.output and fragment in result.output
