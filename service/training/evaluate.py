@@ -142,6 +142,7 @@ class EvalReport:
     """Per-system and overall errors, as written to the JSON output."""
 
     model: str
+    model_sha256: str
     execution: dict[str, str]
     systems: dict[str, dict[str, Any]]
     overall: dict[str, Any]
@@ -150,6 +151,7 @@ class EvalReport:
         return json.dumps(
             {
                 "model": self.model,
+                "model_sha256": self.model_sha256,
                 "execution": self.execution,
                 "units": {"energy": "eV/atom", "forces": "eV/Å", "virial": "eV/atom"},
                 "overall": self.overall,
@@ -228,6 +230,7 @@ def evaluate_model(
     execution = potential.execution
     report = EvalReport(
         model=str(model) if model is not None else "default",
+        model_sha256=potential.metadata.sha256,
         execution={
             "path": execution.path,
             "precision": execution.precision,

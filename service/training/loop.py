@@ -676,6 +676,7 @@ def _provenance(trainer: Trainer, exported_step: int, metrics: dict[str, float])
             "atoms": {"train": data.train.n_atoms, "validation": data.validation.n_atoms},
         },
         "config": trainer.config.to_dict(),
+        **_parent(trainer),
         "steps": trainer.step,
         "exported_step": exported_step,
         "weights": "ema" if trainer.config.optim.ema_decay > 0.0 else "raw",
@@ -684,6 +685,16 @@ def _provenance(trainer: Trainer, exported_step: int, metrics: dict[str, float])
         "execution": {"path": execution.path, "precision": execution.precision},
         "hardware": hardware_info(trainer.device),
     }
+
+
+def _parent(trainer: Trainer) -> dict[str, Any]:
+    """The model a fine-tuning started from, by identity as well as path (the file at that
+    path may be replaced later)."""
+    init_from = trainer.config.model.init_from
+    if not init_from:
+        return {}
+    loaded = trainer.model.file_metadata or {}
+    return {"init_from": {"path": init_from, "model_sha256": loaded.get("model_sha256")}}
 
 
 def _export(

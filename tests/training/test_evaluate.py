@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from service.model.config import preset
 from service.model.dpa4 import DPA4Model
-from service.model.io import save_model
+from service.model.io import read_metadata, save_model
 from service.model.potential import load_potential
 from service.training.cli import eval_command, train_command
 from service.training.data import Frame, load_dataset, load_deepmd_system
@@ -115,6 +115,8 @@ def test_eval_matches_hand_computed_errors(
     assert report.overall["virial"]["count"] == 2 * 9  # type: ignore[index]
     assert report.overall["frames"] == 17
     saved = json.loads((tmp_path / "eval.json").read_text())
+    # The model by identity too: a retrained file at the same path is another model.
+    assert saved["model_sha256"] == read_metadata(toy_model)["model_sha256"]
     assert saved["overall"]["forces"]["rmse"] == pytest.approx(report.overall["forces"]["rmse"])  # type: ignore[index]
     assert (tmp_path / "parity.png").stat().st_size > 10_000
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.model.io import load_model
+from service.model.io import load_model, read_metadata
 from service.model.potential import Potential, default_model_path, load_potential
 from service.training import loop
 from service.training.cli import train_command
@@ -308,6 +308,9 @@ def test_fine_tuning_can_keep_the_loaded_energy_reference(tmp_path: Path) -> Non
     assert result.validation["energy_rmse"] == pytest.approx(1 / 3, abs=0.01)
     loaded, tuned = load_model(default_model_path()), load_model(result.model_path)
     assert torch.equal(loaded.get_buffer("energy_bias"), tuned.get_buffer("energy_bias"))
+    # The parent is recorded by identity, not only by a path whose file may be replaced.
+    parent = read_metadata(result.model_path)["provenance"]["init_from"]
+    assert parent["model_sha256"] == read_metadata(default_model_path())["model_sha256"]
 
 
 def test_resumed_fine_tuning_does_not_refit(
