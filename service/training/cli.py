@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Annotated
 
@@ -55,6 +54,7 @@ def train_command(
 ) -> TrainResult:
     """Train a model as the config says; writes the model file, checkpoint and logs."""
     from service.training.loop import train
+    from service.training.metrics import finite_or_none
 
     _configure_logging(verbose)
     overrides = list(set_ or [])
@@ -86,9 +86,7 @@ def train_command(
                 "exported_step": result.exported_step,
                 "wall_s": round(result.wall_s, 1),
                 "execution": result.execution,
-                "validation": {
-                    k: v if math.isfinite(v) else None for k, v in result.validation.items()
-                },
+                "validation": finite_or_none(result.validation),
                 "log": str(result.log_csv),
             },
             indent=2,

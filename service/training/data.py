@@ -328,7 +328,7 @@ def _optional_npy(path: Path, n_frames: int, width: int) -> np.ndarray | None:
 # ASE-readable files
 
 
-def load_ase_file(path: Path | str, *, index: str = ":") -> list[Frame]:
+def load_ase_file(path: Path | str) -> list[Frame]:
     """Frames of any ASE-readable file (extxyz, ...), labels from its calculator or info/arrays.
 
     Energy: the calculator's ``energy`` or ``info['energy']``; forces: calculator or
@@ -339,7 +339,7 @@ def load_ase_file(path: Path | str, *, index: str = ":") -> list[Frame]:
     if not file.is_file():
         raise DataError(file, "no such file")
     try:
-        images = ase.io.read(file, index=index)
+        images = ase.io.read(file, index=":")
     except Exception as exc:  # ASE raises many unrelated types for a bad file
         raise DataError(file, f"ASE could not read it ({type(exc).__name__}: {exc})") from exc
     atoms_list: list[Atoms] = images if isinstance(images, list) else [images]

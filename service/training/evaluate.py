@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from service.training.data import (
     iterate_batches,
     load_dataset,
 )
-from service.training.metrics import PropertyErrors, batch_errors
+from service.training.metrics import PropertyErrors, batch_errors, finite_or_none
 from service.training.state import folder_problem
 
 __all__ = [
@@ -162,14 +161,10 @@ class EvalReport:
         )
 
 
-def _none_if_nan(value: float | int) -> float | int | None:
-    return None if isinstance(value, float) and math.isnan(value) else value
-
-
 def _finite_summary(errors: PropertyErrors, n_frames: int) -> dict[str, Any]:
     summary: dict[str, Any] = {"frames": n_frames}
     for name, stats in errors.summary().items():
-        summary[name] = {k: _none_if_nan(v) for k, v in stats.items()}
+        summary[name] = finite_or_none(stats)
     return summary
 
 

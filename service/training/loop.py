@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import triton
 from ase.data import atomic_numbers
 
 from service.model.config import preset
@@ -56,7 +57,7 @@ from service.training.data import (
     load_dataset,
 )
 from service.training.evaluate import evaluate_batches, predict_batch, properties_for
-from service.training.metrics import PropertyErrors, batch_errors
+from service.training.metrics import PropertyErrors, batch_errors, finite_or_none
 from service.training.schedule import LossWeights, learning_rate, loss_weights
 from service.training.state import (
     EpochSampler,
@@ -632,15 +633,11 @@ class RunLog:
         with self.csv_path.open("a", newline="") as fh:
             csv.writer(fh).writerow([_csv_value(row.get(c, math.nan)) for c in LOG_COLUMNS])
         with self.jsonl_path.open("a") as fh:
-            fh.write(json.dumps({"event": "validation", **_json_safe(row)}) + "\n")
+            fh.write(json.dumps({"event": "validation", **finite_or_none(row)}) + "\n")
 
 
 def _csv_value(value: float) -> str:
     return "" if isinstance(value, float) and math.isnan(value) else f"{value:.8g}"
-
-
-def _json_safe(row: dict[str, float]) -> dict[str, float | None]:
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
 
 
 def hardware_info(device: torch.device) -> dict[str, Any]:
@@ -654,12 +651,7 @@ def hardware_info(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
+    info["triton"] = triton.__version__
     return info
 
 
@@ -681,7 +673,7 @@ def _provenance(trainer: Trainer, exported_step: int, metrics: dict[str, float])
         "exported_step": exported_step,
         "weights": "ema" if trainer.config.optim.ema_decay > 0.0 else "raw",
         "wall_s": round(trainer.elapsed_s, 1),
-        "metrics": {"validation": _json_safe(metrics)},
+        "metrics": {"validation": finite_or_none(metrics)},
         "execution": {"path": execution.path, "precision": execution.precision},
         "hardware": hardware_info(trainer.device),
     }

@@ -8,11 +8,18 @@ in eV/atom. RMSE and MAE pool every labelled item of the set (not a mean of per-
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from service.training.data import LabelBatch
+
+
+def finite_or_none(values: Mapping[str, float]) -> dict[str, float | None]:
+    """``values`` for JSON: NaN and inf (a metric without data, a diverged run) become None."""
+    return {k: v if math.isfinite(v) else None for k, v in values.items()}
+
 
 __all__ = ["ErrorStats", "PropertyErrors", "batch_errors"]
 
