@@ -228,7 +228,8 @@ def _check_model_section(model: ModelSection) -> None:
 def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     """Instantiate a config dataclass from a mapping, checking keys and value types."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{prefix or 'config'}: expected a table, got {type(raw).__name__}")
+        where = prefix.rstrip(".") or "config"
+        raise ConfigError(f"{where}: expected a table, got {type(raw).__name__}")
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
@@ -292,7 +293,8 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     for item in overrides:
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
-        if not sep or not all(parts):
+        # Every top-level key is a section: `run=3` would replace the whole table.
+        if not sep or len(parts) < 2 or not all(parts):
             raise ConfigError(f"override {item!r}: expected section.key=value")
         table = merged
         for part in parts[:-1]:

@@ -45,6 +45,8 @@ def test_toml_json_and_overrides(tmp_path: Path) -> None:
         (["run.steps=0"], "run.steps"),
         (["loss.energy_weight=[1, 2, 3]"], "loss.energy_weight"),
         (["nokey"], "section.key=value"),
+        # A whole section replaced by a scalar: named as typed, not blamed on a later override.
+        (["run=3", 'run.output_dir="x"'], "'run=3': expected section.key=value"),
         (["bogus.x=1"], "bogus"),
         (["optim.betas=[1.5, 0.999]"], "optim.betas"),
         (["optim.betas=[0.9, -0.1]"], "optim.betas"),
