@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 from ase.data import atomic_numbers
 
-from service.model.errors import ModelFileError, non_finite_fields
+from service.model.errors import ModelFileError
 from service.model.potential import Potential, Prediction, load_potential
 from service.training.data import (
     DataError,
@@ -100,24 +101,11 @@ def evaluate_batches(
     parity = ParityData() if collect_parity else None
     for batch in batches:
         prediction = predict_batch(potential, batch, properties)
-        _require_finite(prediction)
         labels = batch.labels.to(potential.device)
         errors.add(batch_errors(labels, prediction.energy, prediction.forces, prediction.virial))
         if parity is not None:
             parity.add(batch, prediction)
     return SetResult(errors, parity)
-
-
-def _require_finite(prediction: Prediction) -> None:
-    """A NaN or inf prediction would read as a missing label in the error statistics."""
-    values = {"energy": prediction.energy, "forces": prediction.forces}
-    host = {k: None if v is None else v.detach().cpu().numpy() for k, v in values.items()}
-    bad = non_finite_fields(host)
-    if bad:
-        raise ModelFileError(
-            f"the model predicted non-finite {' and '.join(bad)} (NaN or inf): its weights or "
-            "the structures are unusable"
-        )
 
 
 def evaluate_frames(
@@ -217,6 +205,7 @@ def evaluate_model(
     systems: dict[str, dict[str, Any]] = {}
     for source, frames in dataset.by_source().items():
         result = evaluate_frames(potential, frames, batch_size=batch_size, collect_parity=True)
+        _require_finite(result.errors, source)
         overall.merge(result.errors)
         assert result.parity is not None
         for name in ("energy_ref", "energy_pred", "forces_ref", "forces_pred"):
@@ -242,6 +231,17 @@ def evaluate_model(
     except OSError as exc:  # checked before the run, but a disk can fill or a mount vanish
         raise ValueError(f"cannot write the results: {exc}") from exc
     return report
+
+
+def _require_finite(errors: PropertyErrors, source: str) -> None:
+    """Labels are finite when loaded, so a labelled property whose error statistics are not
+    comes from a NaN or inf prediction (it would otherwise read as a missing label)."""
+    bad = [name for name, stats in errors.summary().items() if not math.isfinite(stats["rmse"])]
+    if bad:
+        raise ModelFileError(
+            f"the model predicted non-finite {' and '.join(bad)} (NaN or inf) on {source}: its "
+            "weights or the structures are unusable"
+        )
 
 
 def _check_type_map(type_map: Sequence[str]) -> None:
