@@ -92,8 +92,8 @@ case "$topic" in
     for v in shipped f16corr shipped f16corr; do STEP_S=100 run python3 benchmarks/f16_correction_probe.py --variant $v; done
     ;;
   stack-gaps)  # experiment: the fast tier's bar step, kernels' sum vs timed step (idle gaps, timing method), both tiers (~2 min)
-    STEP_S=100 run python3 benchmarks/stack_gap_probe.py --precision fp16x3
-    STEP_S=100 run python3 benchmarks/stack_gap_probe.py --precision ieee
+    STEP_S=150 run python3 benchmarks/stack_gap_probe.py --precision fp16x3
+    STEP_S=150 run python3 benchmarks/stack_gap_probe.py --precision ieee
     ;;
   bar-rotate)  # DeePMD's rotate_mix bar (E = 1,051,392, C_wide 128, lmax 2, F 1, rank 1) with every backward schedule (~1 min)
     STEP_S=90 run python3 benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 --compare-variants

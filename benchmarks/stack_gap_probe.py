@@ -13,7 +13,11 @@ way the step is timed. This probe tells them apart, on the same operands in one 
 * 10 steps back to back between two events, per step;
 * a profile of one step with host and device activity: the device's busy time, the step's
   window from its host start to its last kernel's end, the time before the first kernel, and the
-  largest idle gaps between kernels with the kernels on either side.
+  largest idle gaps between kernels with the kernels on either side;
+* the step's device time alone: the stream is held by a sleep kernel while the host queues the
+  whole step, so no host work lies inside the two events (alternated with synced steps);
+* the host's own time for the forward and the backward call while the device is held, and the
+  functions that spend it (``cProfile``, top entries by own time).
 
 ``python3 benchmarks/stack_gap_probe.py [--precision fp16x3|ieee]`` →
 ``results/stack_gap_probe_<stamp>.json``.
@@ -22,8 +26,11 @@ way the step is timed. This probe tells them apart, on the same operands in one 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +58,54 @@ def back_to_back_ms(step: Any, n_steps: int) -> float:
     stop.record()
     torch.cuda.synchronize()
     return float(start.elapsed_time(stop) / n_steps)
+
+
+_HOLD_CYCLES = 400_000_000
+"""Sleep-kernel length that keeps the device busy while the host queues one step (~0.2 s)."""
+
+
+def device_only_ms(step: Any) -> float:
+    """ms between two events around one step queued behind a sleep kernel: device time only."""
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(_HOLD_CYCLES)
+    start.record()
+    step()
+    stop.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(stop))
+
+
+def host_split_ms(forward: Any, backward: Any) -> dict[str, float]:
+    """Host seconds of the forward call and of the backward call, the device held meanwhile."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_HOLD_CYCLES)
+    t0 = time.perf_counter()
+    out = forward()
+    t1 = time.perf_counter()
+    backward(out)
+    t2 = time.perf_counter()
+    torch.cuda.synchronize()
+    return {"forward": (t1 - t0) * 1e3, "backward": (t2 - t1) * 1e3}
+
+
+def host_profile(step: Any, top: int = 25) -> list[dict[str, Any]]:
+    """``cProfile`` of one step with the device held: functions by own host time."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_HOLD_CYCLES)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    entries = stats.stats.items()  # type: ignore[attr-defined]
+    rows = []
+    for (file, line, name), (_cc, calls, own, cumulative, _callers) in entries:
+        rows.append({"function": f"{Path(file).name}:{line}:{name}", "calls": calls,
+                     "own_ms": own * 1e3, "cumulative_ms": cumulative * 1e3})  # fmt: skip
+    rows.sort(key=lambda r: -r["own_ms"])
+    return rows[:top]
 
 
 def profiled_gaps(step: Any, top: int = 12) -> dict[str, Any]:
@@ -107,11 +162,16 @@ def main() -> None:
     weights = [t.detach() for t in ops[2:]]
     grad_out = torch.randn(case.n_edge, case.n_focus, ops[0].shape[2], device="cuda")
 
-    def step() -> object:
-        x_local = so2_mixing_stack(
+    def forward() -> torch.Tensor:
+        return so2_mixing_stack(
             u0, alpha, *weights, case.lmax, case.focus_dim, True, args.precision
         )[0]
+
+    def backward(x_local: torch.Tensor) -> object:
         return torch.autograd.grad(x_local, (u0, alpha), grad_out)
+
+    def step() -> object:
+        return backward(forward())
 
     for _ in range(2):
         step()
@@ -122,6 +182,15 @@ def main() -> None:
     samples = [time_ms(step, warmup=0, iters=1) for _ in range(10)]
     row["events_synced_ms"] = {"median": statistics.median(samples), "all": samples}
     row["back_to_back_ms"] = back_to_back_ms(step, 10)
+    device, synced = [], []
+    for _ in range(8):
+        device.append(device_only_ms(step))
+        synced.append(time_ms(step, warmup=0, iters=1))
+    row["device_only_ms"] = {"median": statistics.median(device), "all": device}
+    row["synced_alternating_ms"] = {"median": statistics.median(synced), "all": synced}
+    splits = [host_split_ms(forward, backward) for _ in range(5)]
+    row["host_ms"] = {k: statistics.median(s[k] for s in splits) for k in ("forward", "backward")}
+    row["host_profile"] = host_profile(step)
     row["profile"] = profiled_gaps(step)
     print(row, flush=True)
     path = write_results(RESULTS, "stack_gap_probe", [row])
