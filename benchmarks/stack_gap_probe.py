@@ -17,7 +17,11 @@ way the step is timed. This probe tells them apart, on the same operands in one 
 * the step's device time alone: the stream is held by a sleep kernel while the host queues the
   whole step, so no host work lies inside the two events (alternated with synced steps);
 * the host's own time for the forward and the backward call while the device is held, and the
-  functions that spend it (``cProfile``, top entries by own time).
+  functions that spend it (``cProfile``, top entries by own time);
+* synced steps after the device rested (0.25 s idle before each): the host's latency alone,
+  against the device-only time of a rested device;
+* the thermal trajectory: after a 1 s rest, 30 steps queued back to back with an event between
+  each (the host stays ahead), while ``nvidia-smi`` samples SM clock, power and throttle reasons.
 
 ``python3 benchmarks/stack_gap_probe.py [--precision fp16x3|ieee]`` →
 ``results/stack_gap_probe_<stamp>.json``.
@@ -29,6 +33,7 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,6 +79,56 @@ def device_only_ms(step: Any) -> float:
     stop.record()
     torch.cuda.synchronize()
     return float(start.elapsed_time(stop))
+
+
+def rested_synced_ms(step: Any, rest_s: float = 0.25) -> float:
+    """One synced step (events around it, host work inside) after the device idled ``rest_s``."""
+    torch.cuda.synchronize()
+    time.sleep(rest_s)
+    return time_ms(step, warmup=0, iters=1)
+
+
+def _smi_fields() -> str:
+    """nvidia-smi's query fields; newer drivers name the throttle reasons clock-event reasons."""
+    for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+        fields = f"clocks.sm,power.draw,temperature.gpu,{reasons}"
+        probe = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+            capture_output=True, check=False,
+        )  # fmt: skip
+        if probe.returncode == 0:
+            return fields
+    return "clocks.sm,power.draw,temperature.gpu"
+
+
+def trajectory(step: Any, n_steps: int = 30) -> dict[str, Any]:
+    """Per-step device ms of ``n_steps`` back-to-back steps after a rest, with the clocks,
+    power and throttle reasons ``nvidia-smi`` sampled meanwhile (every 20 ms)."""
+    torch.cuda.synchronize()
+    time.sleep(1.0)
+    query = [f"--query-gpu={_smi_fields()}", "--format=csv,noheader,nounits", "-lms", "20"]
+    smi = subprocess.Popen(["nvidia-smi", *query], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # idle samples first
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n_steps + 1)]
+    events[0].record()
+    for k in range(n_steps):
+        step()
+        events[k + 1].record()
+    torch.cuda.synchronize()
+    time.sleep(0.1)
+    smi.terminate()
+    lines = smi.communicate()[0].strip().splitlines()
+    samples = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            sample = {"sm_mhz": float(parts[0]), "power_w": float(parts[1]),
+                      "temp_c": float(parts[2])}  # fmt: skip
+        except (ValueError, IndexError):
+            continue
+        samples.append({**sample, "throttle": parts[3] if len(parts) > 3 else ""})
+    per_step = [float(events[k].elapsed_time(events[k + 1])) for k in range(n_steps)]
+    return {"per_step_ms": per_step, "smi_samples": samples}
 
 
 def host_split_ms(forward: Any, backward: Any) -> dict[str, float]:
@@ -188,11 +243,21 @@ def main() -> None:
         synced.append(time_ms(step, warmup=0, iters=1))
     row["device_only_ms"] = {"median": statistics.median(device), "all": device}
     row["synced_alternating_ms"] = {"median": statistics.median(synced), "all": synced}
+    row["rested_synced_ms"] = [rested_synced_ms(step) for _ in range(6)]
+    row["rested_device_only_ms"] = []
+    for _ in range(6):
+        time.sleep(0.25)
+        row["rested_device_only_ms"].append(device_only_ms(step))
+    row["trajectory"] = trajectory(step)
     splits = [host_split_ms(forward, backward) for _ in range(5)]
     row["host_ms"] = {k: statistics.median(s[k] for s in splits) for k in ("forward", "backward")}
     row["host_profile"] = host_profile(step)
     row["profile"] = profiled_gaps(step)
-    print(row, flush=True)
+    print({k: v for k, v in row.items() if k not in ("trajectory", "host_profile")}, flush=True)
+    print("trajectory ms:", [round(t, 1) for t in row["trajectory"]["per_step_ms"]], flush=True)
+    smi = row["trajectory"]["smi_samples"]
+    compact = [(s["sm_mhz"], s["power_w"], s["temp_c"], s["throttle"]) for s in smi]
+    print("smi (MHz, W, C, reasons):", compact, flush=True)
     path = write_results(RESULTS, "stack_gap_probe", [row])
     print(f"wrote {path}")
 
