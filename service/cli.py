@@ -12,8 +12,9 @@ import orjson
 import typer
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
-from rich.console import Console
 from rich.markup import escape
+
+from service.cli_output import cli_fail, stderr_console
 
 if TYPE_CHECKING:
     from service.api.settings import ServiceSettings
@@ -25,21 +26,6 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-_err = Console(stderr=True)
-
-
-_MESSAGE_CHARS = 600
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    # Escaped: messages carry paths and fields like "structures[2]" that rich reads as markup.
-    # One unwrapped line, so that logs and grep see the whole message: whitespace runs (an
-    # HTML page quoted from another web server) become one space, and a page is cut short.
-    line = " ".join(message.split())
-    if len(line) > _MESSAGE_CHARS:
-        line = line[: _MESSAGE_CHARS - 1] + "…"
-    _err.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
-    return typer.Exit(code)
 
 
 def _positive(value: float) -> float:
@@ -122,7 +108,7 @@ def serve(
     try:
         settings = ServiceSettings(**flags)
     except ValidationError as exc:
-        raise _fail("; ".join(_setting_problem(e, flags) for e in exc.errors())) from None
+        raise cli_fail("; ".join(_setting_problem(e, flags) for e in exc.errors())) from None
     _check_can_listen(settings.host, settings.port)  # before the model loads and warms up
     run_service(settings, _load_models(settings))
 
@@ -152,7 +138,7 @@ def _load_models(settings: ServiceSettings) -> list[Evaluator]:
     try:
         return load_evaluators(settings)
     except (ModelFileError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+        raise cli_fail(str(exc)) from None
 
 
 def _check_can_listen(host: str, port: int) -> None:
@@ -173,7 +159,7 @@ def _check_can_listen(host: str, port: int) -> None:
                         raise
     except OSError as exc:
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-        raise _fail(f"cannot listen on {host}:{port}: {reason or exc}") from None
+        raise cli_fail(f"cannot listen on {host}:{port}: {reason or exc}") from None
 
 
 @app.command()
@@ -208,7 +194,7 @@ def screen(
     from service.model.errors import ModelConfigError, ModelFileError
 
     if url is not None and (model is not None or device != "auto"):
-        raise _fail(
+        raise cli_fail(
             "give --url (a running service) or --model/--device (in process), not both: the "
             "service runs on the devices it was started with"
         )
@@ -229,10 +215,10 @@ def screen(
     try:
         report = run_screen(inputs, options)
     except (ScreenAborted, ModelFileError, ModelConfigError, OSError) as exc:
-        raise _fail(str(exc)) from None
+        raise cli_fail(str(exc)) from None
     except KeyboardInterrupt:  # 128 + SIGINT, as a shell reports it
-        raise _fail("interrupted: run the same command again to resume", code=130) from None
-    _err.print(
+        raise cli_fail("interrupted: run the same command again to resume", code=130) from None
+    stderr_console.print(
         f"{report.total} structures: {report.succeeded} evaluated, {report.failed} failed, "
         f"{report.skipped} already done, in {report.seconds:.1f} s → "
         f"{escape(str(report.output))}, {escape(str(report.summary))}",
@@ -258,7 +244,7 @@ def info(
             with SO2Calculator(url, api_key=api_key, retries=0) as calc:
                 document = calc.info()
         except (CalculationFailed, ValueError) as exc:
-            raise _fail(str(exc)) from None
+            raise cli_fail(str(exc)) from None
         _print_json(document)
         return
     from service.model.errors import ModelConfigError, ModelFileError
@@ -267,7 +253,7 @@ def info(
     try:
         potential = load_potential(model, device="cpu")
     except (ModelFileError, ModelConfigError, OSError) as exc:
-        raise _fail(str(exc)) from None
+        raise cli_fail(str(exc)) from None
     _print_json(potential.info())
 
 
@@ -281,16 +267,17 @@ def import_deepmd(
     from service.model.errors import ModelFileError, UnsupportedCheckpointError
 
     if output.is_dir():  # refused before converting: the rename onto it would fail at the end
-        raise _fail(
+        raise cli_fail(
             f"{output} is a folder: give the model file to write, e.g. {output}/model.safetensors"
         )
     try:
         config = import_deepmd_checkpoint(checkpoint, output)
     except (ModelFileError, UnsupportedCheckpointError, FileNotFoundError) as exc:
-        raise _fail(str(exc)) from None
+        raise cli_fail(str(exc)) from None
     except OSError as exc:  # the checkpoint was read: writing the model file failed
-        raise _fail(f"cannot write {output}: {exc}") from None
-    _err.print(f"wrote {escape(str(output))} ({', '.join(config.type_map)}; rcut {config.rcut} Å)")
+        raise cli_fail(f"cannot write {output}: {exc}") from None
+    symbols = ", ".join(config.type_map)
+    stderr_console.print(f"wrote {escape(str(output))} ({symbols}; rcut {config.rcut} Å)")
 
 
 def _register_training_commands() -> None:

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from service.cli_output import cli_fail
 from service.model.errors import ModelFileError
 from service.training.config import (
     CHECKPOINT_NAME,
@@ -65,18 +66,18 @@ def train_command(
     try:
         run_config = load_config(config, overrides)
     except ConfigError as exc:
-        raise _error(str(exc)) from exc
+        raise cli_fail(str(exc)) from exc
     try:
         result = train(run_config)
     except FloatingPointError as exc:
-        raise _error(f"{exc}; lower optim.lr (or set optim.clip_norm), then resume from "
+        raise cli_fail(f"{exc}; lower optim.lr (or set optim.clip_norm), then resume from "
                      f"the last checkpoint: {_resumable(run_config)}") from exc  # fmt: skip
     # ConfigError, DataError, ModelConfigError, ModelFileError, and a model architecture the
     # chosen run.path cannot run: all ValueErrors.
     except ValueError as exc:
-        raise _error(str(exc)) from exc
+        raise cli_fail(str(exc)) from exc
     except KeyboardInterrupt:  # 128 + SIGINT, as a shell reports it
-        raise _error(f"interrupted; {_resumable(run_config)}", code=130) from None
+        raise cli_fail(f"interrupted; {_resumable(run_config)}", code=130) from None
     typer.echo(
         json.dumps(
             {
@@ -93,11 +94,6 @@ def train_command(
         )
     )
     return result
-
-
-def _error(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=code)
 
 
 def _resumable(config: TrainConfig) -> str:
@@ -154,7 +150,7 @@ def eval_command(
             type_map=None if type_map is None else _split_symbols(type_map),
         )
     except (DataError, ModelFileError, ValueError) as exc:
-        raise _error(str(exc)) from exc
+        raise cli_fail(str(exc)) from exc
     typer.echo(report.to_json())
 
 
