@@ -75,14 +75,19 @@ def validate_csr(order: Tensor, row_ptr: Tensor) -> None:
         raise ValueError("order must be a permutation of 0..E-1")
 
 
-def csr_from_index(index: Tensor, n_segments: int) -> tuple[Tensor, Tensor]:
-    """``(order, row_ptr)`` grouping the rows of ``index`` (E,) by value: a stable argsort and
-    the cumulative segment counts, both int64."""
-    order = torch.argsort(index, stable=True)
+def row_ptr_from_index(index: Tensor, n_segments: int) -> Tensor:
+    """(n_segments+1,) int64 ``[0, cumsum(bincount(index))]``: where each value's rows start
+    once the rows of ``index`` (E,) are grouped by value."""
     counts = torch.bincount(index, minlength=n_segments)
     row_ptr = torch.zeros(n_segments + 1, dtype=torch.int64, device=index.device)
     torch.cumsum(counts, 0, out=row_ptr[1:])
-    return order, row_ptr
+    return row_ptr
+
+
+def csr_from_index(index: Tensor, n_segments: int) -> tuple[Tensor, Tensor]:
+    """``(order, row_ptr)`` grouping the rows of ``index`` (E,) by value: a stable argsort and
+    :func:`row_ptr_from_index`, both int64."""
+    return torch.argsort(index, stable=True), row_ptr_from_index(index, n_segments)
 
 
 # Eager references (any dtype, differentiable by autograd)

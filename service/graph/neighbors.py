@@ -425,9 +425,11 @@ def _vesin_pairs(structures: Structures, rcut: float, min_distance: float) -> Pa
 
 def graph_from_pairs(structures: Structures, pairs: PairList) -> Graph:
     """Attach batch indices and both CSRs to canonically ordered pairs."""
+    from so2kernels.segment import row_ptr_from_index  # see the package docstring
+
     n_atoms = structures.n_atoms
     atom_batch = structures.atom_batch
-    dst_rowptr = _rowptr(pairs.dst, n_atoms)
+    dst_rowptr = row_ptr_from_index(pairs.dst, n_atoms)
     src_order = stable_argsort(pairs.src)
     return Graph(
         src=pairs.src,
@@ -437,17 +439,11 @@ def graph_from_pairs(structures: Structures, pairs: PairList) -> Graph:
         atom_batch=atom_batch,
         dst_rowptr=dst_rowptr,
         src_order=src_order,
-        src_rowptr=_rowptr(pairs.src, n_atoms),
+        src_rowptr=row_ptr_from_index(pairs.src, n_atoms),
         edge_ptr=dst_rowptr.index_select(0, structures.ptr),
         n_atoms=n_atoms,
         n_structures=structures.n_structures,
     )
-
-
-def _rowptr(index: Tensor, n: int) -> Tensor:
-    """(n+1,) int64 ``[0, cumsum(bincount(index))]``."""
-    counts = torch.bincount(index, minlength=n)
-    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
 
 
 def edge_vectors(
