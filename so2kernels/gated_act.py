@@ -313,6 +313,7 @@ def _act_bwd_op(
 ) -> tuple[Tensor, Tensor]:
     _check_act_bwd_operands(grad, (z, gw, gwt, lmax, focus_dim))
     if use_triton(grad, z, gw, gwt):
+        check_regime("gated_act_bwd", lmax, focus_dim)
         require_fp32("gated_act_bwd", grad=grad, z=z, gw=gw, gwt=gwt)
         with launch_device(grad):
             return _launch_bwd(

@@ -301,7 +301,10 @@ def _mixing_stack_backward(
     need_weights = any(needs[2:5])
     if torch.is_grad_enabled():
         # create_graph: compose registered ops and bmm so that a force loss can differentiate
-        # this backward again through closed forms.
+        # this backward again through closed forms. Those run in exact fp32 only: a fast-tier
+        # forward is refused here rather than given an exact backward without saying so.
+        StackPrecision.parse(ctx.precision).require_exact_double_backward()
+
         def act(pre: Tensor, proj: Tensor, proj_t: Tensor) -> Tensor:
             return gated_act(pre, proj, proj_t, lmax, focus_dim)
 
@@ -354,7 +357,9 @@ def so2_mixing_stack(
     ``u0 (F, E, ROW)``, ``alpha (E, F)``, ``w0_all (n, F, M0, M0)``, ``w1_all (n, F, M1, M1)``,
     ``gw_all (n-1, F, Cf, LG)`` → ``(x_local (E, F, ROW), z_all (n-1, F, E, ROW), u_final (F, E,
     ROW))``. ``precision`` picks the GEMM tier (``"ieee"`` exact fp32, ``"fp16x3"`` fast; the
-    fast tier needs the Triton path and is never chosen implicitly). Differentiable twice.
+    fast tier needs the Triton path and is never chosen implicitly). Differentiable twice in the
+    exact tier; the fast tier has a first-order backward only, takes finite weights below 65504
+    in magnitude, and activations and cotangents below 2^20 (beyond it, results turn NaN).
     """
     tier = StackPrecision.parse(precision)
     outputs: tuple[Tensor, Tensor, Tensor] = _mixing_stack_op(

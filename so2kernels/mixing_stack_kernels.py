@@ -97,6 +97,16 @@ class StackPrecision(StrEnum):
                 f"so2kernels: unknown stack precision {value!r}; use one of {choices}"
             ) from None
 
+    def require_exact_double_backward(self) -> None:
+        """Refuse a differentiable (``create_graph``) backward of a fast-tier stack: the closed
+        forms it composes are exact fp32, so it would not be the tier the caller chose."""
+        if self is not StackPrecision.EXACT:
+            raise UnsupportedInputError(
+                f"so2kernels.so2_mixing_stack: precision {self.value!r} has no double backward "
+                "(create_graph=True); run the stack with precision='ieee' to differentiate its "
+                "backward"
+            )
+
     def require_triton(self, op: str, device: torch.device) -> None:
         """Refuse a fast-tier call that would run off the Triton path (no silent exact result)."""
         if self is not StackPrecision.EXACT:
@@ -265,8 +275,26 @@ def weight_operands(
     # autograd: the planes are kernel operands only, never part of a graph.
     with torch.inference_mode(False), torch.no_grad():
         operands = _build_operands(w, precision, transposed)
+    if precision is StackPrecision.FAST:
+        _check_head_range(w)
     entries[key] = (stamp, operands)
     return operands
+
+
+_FP16_MAX = 65504.0
+"""Largest finite fp16: a weight beyond it has an infinite head and a NaN tail."""
+
+
+def _check_head_range(w: Tensor) -> None:
+    """Refuse fast-tier weights whose fp16 head would overflow (or that are not finite): their
+    products would be NaN, not an fp32-accurate result. One host read per weight version."""
+    peak = float(w.detach().abs().max()) if w.numel() else 0.0
+    if not peak < _FP16_MAX:
+        raise UnsupportedInputError(
+            f"so2kernels.so2_mixing_stack: precision 'fp16x3' needs finite weights below "
+            f"{_FP16_MAX:g} in magnitude (the fp16 head's range); got max |w| = {peak:g}. "
+            "Use precision='ieee'"
+        )
 
 
 # Tensor descriptors and persistent grids of the fast tier's block GEMMs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  (fixture)
+from test_gated_act import assert_normwise_close
 
 from so2kernels._dispatch import UnsupportedInputError
 from so2kernels.aggregate import (
@@ -76,7 +76,7 @@ def _leaves(ops: Operands, dtype: torch.dtype) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(("lmax", "focus_dim", "n_focus", "n_groups", "counts", "dw"), CASES)
 def test_values_and_gradients(
-    poisoned_alloc: None,  # noqa: F811
+    poisoned_alloc: None,
     lmax: int,
     focus_dim: int,
     n_focus: int,
@@ -119,7 +119,7 @@ STRADDLING_COUNTS = [3, 1, 0, 0, 2, 1, 5, 0, 1, 1, 2, 1, 7, 1, 0, 1, 1, 4, 2, 1]
 
 @pytest.mark.parametrize("block_e", [4, 32])
 def test_backward_tiles_straddle_destinations(
-    poisoned_alloc: None,  # noqa: F811
+    poisoned_alloc: None,
     block_e: int,
 ) -> None:
     """The edge-parallel backward at several tile heights against the float64 closed form:
@@ -144,7 +144,7 @@ SPLIT_COUNTS = [11, 0, 1, 2, 30, 5, 3, 0, 9]
 
 @pytest.mark.parametrize(("n_part", "block_e"), [(1, 1), (2, 4), (3, 1), (7, 128)])
 def test_forward_segment_parts(
-    poisoned_alloc: None,  # noqa: F811
+    poisoned_alloc: None,
     n_part: int,
     block_e: int,
 ) -> None:
@@ -204,7 +204,7 @@ def test_second_order_through_op() -> None:
         assert_normwise_close(g, w, 1e-5)
 
 
-def test_deterministic(poisoned_alloc: None) -> None:  # noqa: F811
+def test_deterministic(poisoned_alloc: None) -> None:
     ops = make_operands(2, 32, 2, 2, [7, 1, 9])
     leaves = _leaves(ops, torch.float32)
     first = attention_aggregate(*leaves, ops[3], 2)
@@ -216,7 +216,7 @@ def test_deterministic(poisoned_alloc: None) -> None:  # noqa: F811
         assert torch.equal(a, b)
 
 
-def test_edges_without_channels(poisoned_alloc: None) -> None:  # noqa: F811
+def test_edges_without_channels(poisoned_alloc: None) -> None:
     """Zero channels (ROW = 0) over real edges: every gradient is defined, the weights' zero."""
     ops = make_operands(2, 0, 1, 1, [3, 2])
     leaves = _leaves(ops, torch.float32)

@@ -7,7 +7,7 @@ from importlib import import_module
 
 import pytest
 import torch
-from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  (fixture)
+from test_gated_act import assert_normwise_close
 
 from so2kernels import mixing_stack_kernels
 from so2kernels._dispatch import UnsupportedInputError
@@ -78,7 +78,7 @@ FORCE_GRADS = (True, True, False, False, False)
     ("lmax", "focus_dim", "n_focus", "n_edge", "n_layers", "apply_alpha"), CASES
 )
 def test_forward_and_gradients(
-    poisoned_alloc: None,  # noqa: F811
+    poisoned_alloc: None,
     lmax: int,
     focus_dim: int,
     n_focus: int,
@@ -111,7 +111,7 @@ def test_forward_and_gradients(
     ("lmax", "focus_dim", "n_focus", "n_layers"), [(2, 32, 2, 3), (1, 96, 1, 2)]
 )
 def test_force_path_gradients(
-    poisoned_alloc: None,  # noqa: F811
+    poisoned_alloc: None,
     lmax: int,
     focus_dim: int,
     n_focus: int,
@@ -164,7 +164,7 @@ def test_second_order_force_loss(
 
 @pytest.mark.parametrize(("lmax", "focus_dim", "n_focus"), [(2, 32, 2), (3, 96, 1)])
 def test_fast_tier_against_float64(
-    poisoned_alloc: None,  # noqa: F811
+    poisoned_alloc: None,
     lmax: int,
     focus_dim: int,
     n_focus: int,
@@ -286,7 +286,7 @@ def test_backward_op_weight_grads_match_autograd() -> None:
     [(2, 32, 2, 3, True), (1, 96, 1, 2, False), (2, 64, 1, 1, True)],
 )
 def test_fast_backward_op_every_input(
-    poisoned_alloc: None,  # noqa: F811
+    poisoned_alloc: None,
     lmax: int,
     focus_dim: int,
     n_focus: int,
@@ -321,6 +321,27 @@ def test_fast_tier_zero_edges() -> None:
     for g, t in zip(grads, ops, strict=True):
         assert g.shape == t.shape
     assert all(bool((g == 0).all()) for g in grads[2:])
+
+
+def test_fast_tier_refuses_weights_beyond_the_fp16_range() -> None:
+    """An fp16 head cannot hold |w| >= 65504: the tier says so instead of returning NaN."""
+    ops = make_operands(1, 32, 1, 3, 2)
+    huge_w0 = ops[2].clone()
+    huge_w0[0, 0, 0, 0] = 1.0e5
+    with pytest.raises(UnsupportedInputError, match="65504"):
+        so2_mixing_stack(ops[0], ops[1], huge_w0, *ops[3:], 1, 32, True, "fp16x3")
+    nan_gw = ops[4].clone()
+    nan_gw[0, 0, 0, 0] = math.nan
+    with pytest.raises(UnsupportedInputError, match="finite weights"):
+        so2_mixing_stack(*ops[:4], nan_gw, 1, 32, True, "fp16x3")
+
+
+def test_fast_tier_refuses_a_differentiable_backward() -> None:
+    """create_graph would compose exact fp32 closed forms: refused, not silently exact."""
+    ops = _float(make_operands(1, 32, 1, 3, 2), FORCE_GRADS)
+    x_local = so2_mixing_stack(*ops, 1, 32, True, "fp16x3")[0]
+    with pytest.raises(UnsupportedInputError, match="no double backward"):
+        torch.autograd.grad(x_local.sum(), ops[0], create_graph=True)
 
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:

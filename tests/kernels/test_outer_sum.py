@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_aggregate import node_subgraph
-from test_gated_act import assert_normwise_close, poisoned_alloc  # noqa: F401  (fixture)
+from test_gated_act import assert_normwise_close
 
 from so2kernels._dispatch import UnsupportedInputError, use_triton
 from so2kernels.outer_sum import (
@@ -76,7 +76,7 @@ CASES = [
 @fused_only
 @pytest.mark.parametrize(("row_map", "n_rows", "n_chan", "counts"), CASES)
 def test_values_and_gradients(
-    poisoned_alloc: None,  # noqa: F811
+    poisoned_alloc: None,
     row_map: list[int],
     n_rows: int,
     n_chan: int,

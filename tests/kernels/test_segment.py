@@ -3,12 +3,12 @@ references, adjointness, autograd to second order, opcheck, torch.compile."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from so2kernels import segment as segment_module
 from so2kernels._dispatch import INTERPRET, UnsupportedInputError, use_triton
 from so2kernels.segment import (
     csr_from_index,
@@ -26,22 +26,6 @@ fused_only = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every float ``torch.empty`` comes back NaN-filled, so an element a kernel fails to write
-    cannot pass a comparison."""
-    real_empty = torch.empty
-
-    def nan_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        out = real_empty(*args, **kwargs)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    yield
-
-
 def _graph(n_edge: int, n_node: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     # Leave the last node without edges when there is room for it.
@@ -55,7 +39,18 @@ SHAPES = [(), (3,), (4, 5), (2, 33)]
 
 
 @fused_only
-@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.usefixtures("poisoned_alloc")
+def test_poison_reaches_the_fused_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernels skipped, both ops hand back NaN: the poison reaches their buffers."""
+    monkeypatch.setattr(segment_module, "_run_csr_kernel", lambda *args: args[-1])
+    _, order, row_ptr = _graph(5, 3, seed=0)
+    rows = torch.ones(5, 2, device=DEVICE)
+    assert bool(segment_sum(rows, order, row_ptr).isnan().all())
+    assert bool(segment_broadcast(rows[:3], order, row_ptr).isnan().all())
+
+
+@fused_only
+@pytest.mark.usefixtures("poisoned_alloc")
 @pytest.mark.parametrize("trailing", SHAPES)
 @pytest.mark.parametrize(("n_edge", "n_node"), [(37, 6), (1, 1), (1, 4), (0, 3), (9, 9)])
 def test_segment_sum_matches_index_add(trailing: tuple[int, ...], n_edge: int, n_node: int) -> None:
@@ -67,7 +62,7 @@ def test_segment_sum_matches_index_add(trailing: tuple[int, ...], n_edge: int, n
 
 
 @fused_only
-@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.usefixtures("poisoned_alloc")
 @pytest.mark.parametrize("trailing", SHAPES)
 @pytest.mark.parametrize(("n_edge", "n_node"), [(37, 6), (1, 1), (0, 3)])
 def test_segment_broadcast_is_a_gather(trailing: tuple[int, ...], n_edge: int, n_node: int) -> None:
@@ -187,7 +182,7 @@ def test_identity_order_needs_row_count() -> None:
 
 
 @fused_only
-@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.usefixtures("poisoned_alloc")
 @pytest.mark.parametrize("trailing", [(), (3,), (3, 3)])
 @pytest.mark.parametrize(("n_edge", "n_node"), [(300, 7), (1, 1), (0, 3), (2000, 2)])
 def test_float64_grouped_sum_matches_float64_reference(
