@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -87,6 +87,9 @@ case "$topic" in
   sweep-rotate-a|sweep-rotate-b)  # the rotate-mix table's keys cut or partly swept on 2026-11-30, swept in full (run a and b side by side: gpu_many.sh)
     keys=("128,3,2,2 256,2,2,2 256,3,2,1" "256,3,2,2 128,3,2,1"); k=${keys[$([ "$topic" = sweep-rotate-a ] && echo 0 || echo 1)]}
     for key in $k; do STEP_S=${SWEEP_KEY_S:-180} run python3 benchmarks/sweep_tiles.py --keys "$key"; done
+    ;;
+  sweep-rotate-narrow)  # the rotate-mix table at narrow widths (C_wide 32 and 64), where the edge-block backward is meant to win (~8 min)
+    for key in 32,2,1,1 64,2,1,1 64,3,1,1; do STEP_S=${SWEEP_KEY_S:-170} run python3 benchmarks/sweep_tiles.py --keys "$key"; done
     ;;
   f16corr)  # experiment: the fast tier's correction products accumulated in fp16, against shipped, alternating processes (~3 min)
     for v in shipped f16corr shipped f16corr; do STEP_S=100 run python3 benchmarks/f16_correction_probe.py --variant $v; done
