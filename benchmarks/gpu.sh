@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -33,6 +33,9 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 case "$topic" in
   tests-kernels)  # every kernel gpu test (run beside tests-rest on a second GPU: gpu_many.sh)
     STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu tests/kernels
+    ;;
+  tests-some)  # chosen gpu tests: benchmarks/gpu.sh tests-some PATH_OR_NODEID...
+    STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu "$@"
     ;;
   tests-rest)  # every other gpu test (graph, model, service, clients, training)
     STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu tests/graph tests/model tests/service tests/clients tests/training

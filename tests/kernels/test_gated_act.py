@@ -79,6 +79,30 @@ def test_second_order(poisoned_alloc: None, lmax: int, focus_dim: int) -> None:
         assert_normwise_close(g, w, 3e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("lmax", "focus_dim", "n_focus"), [(2, 128, 1), (3, 96, 2)])
+def test_gpu_realistic_size(lmax: int, focus_dim: int, n_focus: int) -> None:
+    """E = 1e5 on the GPU: the output, its first-order gradients and a force-style second order
+    against float64 (the gate weight's gradients sum over every edge)."""
+    z, gw, gwt = (t.cuda() for t in _operands(lmax, focus_dim, n_focus, 100_003, seed=3))
+    grad = torch.randn_like(z)
+    probe = torch.randn_like(z)
+
+    def run(zz: torch.Tensor, ww: torch.Tensor, fused: bool) -> tuple[torch.Tensor, ...]:
+        if fused:
+            out = gated_act(zz, ww, gwt, lmax, focus_dim)
+        else:
+            out = gated_act_reference(zz, ww, ww.transpose(1, 2), lmax, focus_dim)
+        gz, ggw = torch.autograd.grad(out, (zz, ww), grad.to(zz.dtype), create_graph=True)
+        second = torch.autograd.grad((gz * probe.to(zz.dtype)).sum(), (zz, ww))
+        return out, gz, ggw, *second
+
+    got = run(z.clone().requires_grad_(), gw.clone().requires_grad_(), True)
+    want = run(z.double().requires_grad_(), gw.double().requires_grad_(), False)
+    for g, w, tol in zip(got, want, (1e-6, 2e-6, 1e-5, 1e-5, 1e-5), strict=True):
+        assert_normwise_close(g, w, tol)
+
+
 def test_zero_edges() -> None:
     z, gw, gwt = _operands(2, 32, 2, 0)
     z.requires_grad_()

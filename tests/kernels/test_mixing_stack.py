@@ -142,9 +142,20 @@ def test_second_order_force_loss(
 ) -> None:
     """Loss on the input gradient (as a force loss is), differentiated to every operand."""
     ops = make_operands(lmax, focus_dim, n_focus, 5, n_layers, seed=5)
-    grad_out = torch.randn(5, n_focus, ops[0].shape[2])
-    probe = torch.randn_like(ops[0])
     mask = ALL_GRADS if apply_alpha else (True, False, True, True, True)
+    got, want = _force_loss_second_order(ops, mask, lmax, focus_dim, apply_alpha)
+    for g, w in zip(got, want, strict=True):
+        assert_normwise_close(g, w, 3e-6)
+
+
+def _force_loss_second_order(
+    ops: Operands, mask: tuple[bool, ...], lmax: int, focus_dim: int, apply_alpha: bool
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Gradients of ``<∂(x_local·c)/∂u0, p>`` with respect to the operands in ``mask``: the
+    fused op in fp32 and the reference in float64, for random cotangent ``c`` and probe ``p``."""
+    n_focus, n_edge, row = ops[0].shape
+    grad_out = torch.randn(n_edge, n_focus, row, device=ops[0].device)
+    probe = torch.randn_like(ops[0])
 
     def second(inputs: Operands, fused: bool) -> tuple[torch.Tensor, ...]:
         if fused:
@@ -156,10 +167,7 @@ def test_second_order_force_loss(
         wrt = [t for t in inputs if t.requires_grad]
         return torch.autograd.grad((grad_u0 * probe.to(dtype)).sum(), wrt)
 
-    got = second(_float(ops, mask), True)
-    want = second(_double(ops, mask), False)
-    for g, w in zip(got, want, strict=True):
-        assert_normwise_close(g, w, 3e-6)
+    return second(_float(ops, mask), True), second(_double(ops, mask), False)
 
 
 @pytest.mark.parametrize(("lmax", "focus_dim", "n_focus"), [(2, 32, 2), (3, 96, 1)])
@@ -610,6 +618,34 @@ def test_gpu_realistic_size(precision: str, lmax: int, focus_dim: int, n_focus: 
     assert_normwise_close(u_final[:, edges], ref[2], tol)
     assert_normwise_close(grad_u0[:, edges], ref_grads[0], 2 * tol)
     assert_normwise_close(grad_alpha[edges], ref_grads[1], 2 * tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
+def test_gpu_training_backward(precision: str) -> None:
+    """E = 20k on the GPU: every operand's gradient (the weights' sum over all edges) against
+    float64, in both tiers."""
+    lmax, focus_dim, n_focus = 2, 64, 2
+    ops = make_operands(lmax, focus_dim, n_focus, 20_011, 3, seed=31, device="cuda")
+    inputs = _float(ops, ALL_GRADS)
+    x_local = so2_mixing_stack(*inputs, lmax, focus_dim, True, precision)[0]
+    grad_out = torch.randn_like(x_local)
+    got = torch.autograd.grad(x_local, inputs, grad_out)
+    ref_in = _double(ops, ALL_GRADS)
+    ref = mixing_stack_reference(*ref_in, lmax, focus_dim, True)[0]
+    want = torch.autograd.grad(ref, ref_in, grad_out.double())
+    tol = 2e-5 if precision == "fp16x3" else 1e-5
+    for g, w in zip(got, want, strict=True):
+        assert_normwise_close(g, w, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_second_order_force_loss() -> None:
+    """The force-loss double backward at E = 20k on the GPU, every operand, against float64."""
+    ops = make_operands(2, 64, 2, 20_011, 3, seed=37, device="cuda")
+    got, want = _force_loss_second_order(ops, ALL_GRADS, 2, 64, True)
+    for g, w in zip(got, want, strict=True):
+        assert_normwise_close(g, w, 2e-5)
 
 
 @pytest.mark.gpu
