@@ -266,6 +266,7 @@ def _mixing_stack_op(
 def _mixing_stack_fake(u0: Tensor, *rest: Any) -> StackOutputs:
     # rest = (alpha, w0_all, w1_all, gw_all, lmax, focus_dim, apply_alpha[, precision])
     check_stack_operands("so2_mixing_stack", u0, *rest[:6])
+    StackPrecision.parse(rest[7] if len(rest) > 7 else StackPrecision.EXACT)
     depth = rest[3].shape[0]
     focus_major = u0.new_empty(u0.shape)
     edge_major = u0.new_empty((u0.shape[1], u0.shape[0], u0.shape[2]))

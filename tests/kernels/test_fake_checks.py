@@ -41,12 +41,19 @@ def _mixing_stack() -> object:
     return ops.so2_mixing_stack(u0, torch.zeros(1, 3), w0, w1, gw, 2, 32, True, "ieee")
 
 
+def _mixing_stack_precision() -> object:
+    u0 = torch.zeros(1, 3, 7 * 32)
+    w0, w1, gw = torch.zeros(2, 1, 96, 96), torch.zeros(2, 1, 128, 128), torch.zeros(1, 1, 32, 64)
+    return ops.so2_mixing_stack(u0, torch.zeros(3, 1), w0, w1, gw, 2, 32, True, "tf32")
+
+
 CASES: dict[str, tuple[Callable[[], object], str]] = {
     "segment_sum": (_segment_sum, "order has 4 entries but there are 5 rows"),
     "segment_broadcast": (_segment_broadcast, "values has 3 rows but row_ptr describes 2"),
     "gated_act": (_gated_act, "gwt must be gw.transpose"),
     "gated_act_bwd": (_gated_act_bwd, "grad must have z's shape"),
     "so2_mixing_stack": (_mixing_stack, "alpha must have shape"),
+    "so2_mixing_stack precision": (_mixing_stack_precision, "unknown stack precision"),
 }
 
 
