@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.ceilings import H200_HBM_GBPS
 from benchmarks.common import peak_mb, time_ms, write_results
 from so2kernels._layout import n_coeff, n_reduced
 from so2kernels.aggregate import (
@@ -46,9 +47,6 @@ BWD_SWEEP_TILES = (
 )
 """Launch shapes (block_e, num_warps, col_stages) of the edge-parallel backward timed at every
 size; (4, 4, 3) is the default at 128 lanes, (4, 4, 1) the same without pipelined gathers."""
-
-H200_HBM_GBPS = 4800.0
-"""H200 SXM peak HBM3e bandwidth."""
 
 PREVIOUS_NODE_CENTRIC_BWD_MS = {
     "note": "node-centric backward (one program per node) in the bar model step profile, "

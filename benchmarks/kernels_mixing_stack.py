@@ -42,6 +42,12 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.ceilings import (
+    FP16X3_PRODUCTS,
+    H200_FP16_TENSOR_TFLOPS,
+    H200_FP32_TFLOPS,
+    H200_HBM_GBPS,
+)
 from so2kernels import mixing_stack_kernels as kernels
 from so2kernels.mixing_stack import mixing_stack_reference, so2_mixing_stack
 from so2kernels.mixing_stack_fast import normwise_rel_error
@@ -81,6 +87,34 @@ class Case:
         fwd = self.n_layers * block + n_gated * gate_proj
         bwd = self.n_layers * block + n_gated * 2 * gate_proj
         return fwd, fwd + bwd
+
+    def min_bytes(self) -> tuple[float, float]:
+        """(forward, forward+backward) bytes a step cannot avoid moving (force path): the
+        forward reads u0 and writes x_local, z_all and u_final; the backward reads the
+        cotangent, x_local (for grad alpha), z_all and u_final and writes grad u0."""
+        m0, m1, _ = self.widths
+        plane = 4.0 * self.n_focus * self.n_edge * (m0 + m1)
+        fwd = (self.n_layers + 2) * plane
+        return fwd, fwd + (self.n_layers + 3) * plane
+
+
+def ceiling_rates(case: Case, implementation: str, result: dict[str, object]) -> dict[str, float]:
+    """Achieved GB/s against the minimal traffic of :meth:`Case.min_bytes`, and the achieved
+    TFLOP/s and GB/s as fractions of the H200's ceilings (the fast tier's compute ceiling is the
+    fp16 tensor rate over its three products; every other implementation's is fp32 FMA)."""
+    compute = (
+        H200_FP16_TENSOR_TFLOPS / FP16X3_PRODUCTS
+        if implementation == "fused_fast"
+        else H200_FP32_TFLOPS
+    )
+    rates: dict[str, float] = {}
+    for mode, moved in zip(("fwd", "fwd_bwd"), case.min_bytes(), strict=True):
+        ms, tflops = result.get(f"{mode}_ms"), result.get(f"{mode}_tflops")
+        if isinstance(ms, float) and isinstance(tflops, float):
+            rates[f"{mode}_GBps"] = moved / ms / 1e6
+            rates[f"{mode}_fraction_of_hbm_peak"] = rates[f"{mode}_GBps"] / H200_HBM_GBPS
+            rates[f"{mode}_fraction_of_compute_peak"] = tflops / compute
+    return rates
 
 
 def all_cases(which: str, n_edge: int) -> list[Case]:
@@ -436,6 +470,7 @@ def main() -> None:
             if args.only and name not in args.only:
                 continue
             result = bench_impl(case, fn, ops)
+            result.update(ceiling_rates(case, name, result))
             if args.profile and name.startswith("fused") and "error" not in result:
                 result["kernels_ms"] = kernel_profile(case, fn, ops)
             row[name] = result

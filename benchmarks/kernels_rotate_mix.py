@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.ceilings import H200_HBM_GBPS
 from benchmarks.common import peak_mb, time_ms, write_results
 from so2kernels._layout import SUPPORTED_FOCUS_DIMS, n_coeff, n_kernel_slots, n_reduced
 from so2kernels.rotate_mix import rotate_mix, rotate_mix_reference
@@ -49,9 +50,6 @@ VARIANT_SCHEDULES = {
 """Backward schedules timed by --compare-variants besides the table's pick: the node and edge
 schedules as the H200 ran them before the csr schedule (node: the old fallback; edge: its best
 measured tiles), and the csr schedule with its automatic chunk and two fixed ones."""
-
-H200_HBM_GBPS = 4800.0
-"""H200 SXM peak HBM3e bandwidth."""
 
 Operands = tuple[Any, ...]
 
