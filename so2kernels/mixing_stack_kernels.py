@@ -287,7 +287,7 @@ _FP16_MAX = 65504.0
 
 def _check_head_range(w: Tensor) -> None:
     """Refuse fast-tier weights whose fp16 head would overflow (or that are not finite): their
-    products would be NaN, not an fp32-accurate result. One host read per weight version."""
+    products would be NaN, not an fp32-accurate result. One host read per cached build."""
     peak = float(w.detach().abs().max()) if w.numel() else 0.0
     if not peak < _FP16_MAX:
         raise UnsupportedInputError(

@@ -71,7 +71,7 @@ def train_command(
         result = train(run_config)
     except FloatingPointError as exc:
         raise cli_fail(f"{exc}; lower optim.lr (or set optim.clip_norm), then resume from "
-                     f"the last checkpoint: {_resumable(run_config)}") from exc  # fmt: skip
+                       f"the last checkpoint: {_resumable(run_config)}") from exc  # fmt: skip
     # ConfigError, DataError, ModelConfigError, ModelFileError, and a model architecture the
     # chosen run.path cannot run: all ValueErrors.
     except ValueError as exc:
