@@ -15,7 +15,15 @@ from so2kernels.gated_act import (
 )
 
 # (lmax, focus_dim, n_focus, n_edge): every Cf (96 exercises padding + masks), odd edge counts.
-CASES = [(1, 32, 1, 1), (2, 64, 2, 7), (3, 96, 1, 5), (2, 128, 3, 3), (6, 32, 1, 2)]
+CASES = [
+    (1, 32, 1, 1),
+    (2, 64, 2, 7),
+    (3, 96, 1, 5),
+    (2, 128, 3, 3),
+    (4, 32, 2, 3),
+    (5, 64, 1, 2),
+    (6, 32, 1, 2),
+]
 
 
 def assert_normwise_close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:

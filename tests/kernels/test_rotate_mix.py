@@ -128,6 +128,8 @@ CASES = [
     Case(3, 1, 96, 0, extra_dw=7),
     Case(2, 2, 96, 4),
     Case(3, 1, 128, 1),
+    Case(4, 1, 32, 3, n_edge=9, n_node=4),
+    Case(5, 2, 32, 1, n_edge=7, n_node=3),
     Case(6, 1, 32, 2, n_edge=7, n_node=3),
     Case(6, 2, 32, 0, n_edge=6, n_node=4),
     Case(2, 1, 32, 1, n_edge=1, n_node=1),  # single edge, single node
