@@ -1,16 +1,27 @@
 """What a fresh server process pays before and on its first requests.
 
-    python3 benchmarks/cold_start.py [--scenarios fresh-cache warm-cache] [--out-dir ...]
+    python3 benchmarks/cold_start.py [--scenarios record fresh-serial fresh-cache warm-cache]
+                                     [--precisions fp32 fp16x3] [--out-dir ...]
 
 Each scenario runs in its own interpreter (cold imports, empty in-process kernel caches) with
-``TRITON_CACHE_DIR`` pointing at an empty directory (``fresh-cache``: a new machine or container)
-or at the one the previous scenario filled (``warm-cache``: a restart on the same machine). The
-child times, in order: importing torch and the service, loading the shipped default model onto
+``TRITON_CACHE_DIR`` pointing at an empty directory (a new machine or container) or, for
+``warm-cache``, at the one the previous scenario filled (a restart on the same machine):
+
+* ``record``: empty cache; records the kernels the warm-up compiles into this GPU's kernel set
+  (``so2kernels/tables/<gpu>.kernels.json``, :mod:`so2kernels.precompile`), which the server
+  then compiles up front on a thread pool;
+* ``fresh-serial``: empty cache, the warm-up without that preload (each kernel compiles at its
+  first launch, one after the other);
+* ``fresh-cache``: empty cache, the server's own warm-up (preload, then the passes);
+* ``warm-cache``: the previous scenario's cache, the server's own warm-up.
+
+The child times, in order: importing torch and the service, loading the shipped default model onto
 the GPU, the server's warm-up pass (:meth:`service.engine.worker.Worker.warm_up`), and then the
 first and second evaluation of each workload below, through the same ``Worker.run`` the server
 calls. Every in-process kernel-cache miss of a Triton kernel (a compile, or a load from the disk
 cache) is counted per step through Triton's ``jit_cache_hook``, with the kernel's name and the
-argument specialisation that missed, so a step that compiles can be traced to the cause.
+argument specialisation that missed, so a step that compiles can be traced to the cause. The
+preload's compiles count as misses of the warm-up step; the passes after it should add none.
 """
 
 from __future__ import annotations
@@ -70,8 +81,9 @@ def _workload(name: str) -> Any:
     return Structures.from_atoms([water_atoms(n_atoms, seed=0)])
 
 
-def _child(out: Path, repeats: int, device: str, workloads: list[str]) -> None:
-    """One scenario in this (fresh) interpreter; writes its row as JSON to ``out``."""
+def _child(args: argparse.Namespace) -> None:
+    """One scenario in this (fresh) interpreter; writes its row as JSON to ``args.child``."""
+    out, repeats, device, workloads = args.child, args.repeats, args.device, args.workloads
     started = time.perf_counter()
     steps: list[dict[str, Any]] = []
     misses: list[str] = []
@@ -95,7 +107,9 @@ def _child(out: Path, repeats: int, device: str, workloads: list[str]) -> None:
 
     from service.engine import ServiceMetrics, Worker
     from service.engine.evaluator import model_elements
+    from service.engine.worker import kernel_set_fingerprint
     from service.model.potential import load_potentials
+    from so2kernels.precompile import record_compiles, save_kernel_set
 
     step("import service", t0)
 
@@ -122,12 +136,19 @@ def _child(out: Path, repeats: int, device: str, workloads: list[str]) -> None:
     knobs.runtime.jit_cache_hook = on_miss
 
     t0 = time.perf_counter()
-    (potential,) = load_potentials(None, devices=device)
+    (potential,) = load_potentials(None, devices=device, precision=args.precision)
     worker = Worker(potential, ServiceMetrics())
     step("load default model", t0)
     t0 = time.perf_counter()
-    worker.warm_up(model_elements(potential.info()))
+    with record_compiles() as recorded:
+        worker.warm_up(
+            model_elements(potential.info()), preload=args.scenario in ("fresh-cache", "warm-cache")
+        )
     step("server warm-up", t0)
+    if args.scenario == "record" and device.startswith("cuda"):
+        name = torch.cuda.get_device_name(device)
+        path = save_kernel_set(name, kernel_set_fingerprint(potential.info()), recorded)
+        print(f"  recorded {len(recorded)} kernels in {path}", flush=True)
     properties = frozenset(("energy", "forces", "stress"))
     for name in workloads:
         structures = _workload(name)
@@ -138,6 +159,8 @@ def _child(out: Path, repeats: int, device: str, workloads: list[str]) -> None:
                 raise next(iter(output.failures.values()))
             step(f"{name} #{k + 1}", t0, atoms=int(structures.n_atoms))
     report = {
+        "precision": args.precision,
+        "warm_up_kernels": len(recorded),
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -148,38 +171,45 @@ def _child(out: Path, repeats: int, device: str, workloads: list[str]) -> None:
     out.write_text(json.dumps(report, indent=1))
 
 
+SCENARIOS = ("record", "fresh-serial", "fresh-cache", "warm-cache")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenarios", nargs="+", default=["fresh-cache", "warm-cache"])
+    parser.add_argument("--scenarios", nargs="+", default=["fresh-cache", "warm-cache"],
+                        choices=SCENARIOS)  # fmt: skip
+    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "fp16x3"])
     parser.add_argument("--repeats", type=int, default=2, help="evaluations of each workload")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--device", default="cuda:0", help="cpu: a smoke test of the script")
     parser.add_argument("--label", default="", help="recorded with the results (e.g. a commit)")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--scenario", choices=SCENARIOS, help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        _child(args.child, args.repeats, args.device, args.workloads)
+        _child(args)
         return
 
     from benchmarks.common import write_results
 
     cache = Path(tempfile.mkdtemp(prefix="so2serve-triton-cache-"))
     rows = []
-    for scenario in args.scenarios:
-        if scenario not in ("fresh-cache", "warm-cache"):
-            raise SystemExit(f"unknown scenario {scenario!r}")
-        if scenario == "fresh-cache":
-            cache = Path(tempfile.mkdtemp(prefix="so2serve-triton-cache-"))
-        print(f"{scenario} (TRITON_CACHE_DIR={cache})", flush=True)
-        result = Path(tempfile.mkstemp(suffix=".json")[1])
-        env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
-        command = [sys.executable, __file__, "--child", str(result), "--repeats", str(args.repeats)]
-        command += ["--device", args.device, "--workloads", *args.workloads]
-        t0 = time.perf_counter()
-        subprocess.run(command, env=env, check=True, cwd=ROOT)
-        row = {"scenario": scenario, "process_s": round(time.perf_counter() - t0, 2)}
-        rows.append({**row, **json.loads(result.read_text())})
+    for precision in args.precisions:
+        for scenario in args.scenarios:
+            if scenario != "warm-cache":
+                cache = Path(tempfile.mkdtemp(prefix="so2serve-triton-cache-"))
+            print(f"{scenario}, {precision} (TRITON_CACHE_DIR={cache})", flush=True)
+            result = Path(tempfile.mkstemp(suffix=".json")[1])
+            env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+            command = [sys.executable, __file__, "--child", str(result), "--scenario", scenario]
+            command += ["--precision", precision, "--repeats", str(args.repeats)]
+            command += ["--device", args.device, "--workloads", *args.workloads]
+            t0 = time.perf_counter()
+            subprocess.run(command, env=env, check=True, cwd=ROOT)
+            row = {"scenario": scenario, "process_s": round(time.perf_counter() - t0, 2)}
+            rows.append({**row, **json.loads(result.read_text())})
     write_results(args.out_dir, "cold_start", rows, label=args.label)
 
 

@@ -50,7 +50,7 @@ def write_results(
     stamp = dt.datetime.now(dt.UTC)
     report = {
         "benchmark": benchmark,
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": stamp.isoformat(),

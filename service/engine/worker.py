@@ -12,13 +12,15 @@ results and nobody receives partial or stale numbers.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +32,7 @@ from service.engine.metrics import ServiceMetrics
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import StructureArrays, Structures
 from service.model.errors import NonFiniteResultError, non_finite_fields
+from so2kernels.precompile import load_kernel_set, preload_kernels
 
 log = logging.getLogger("so2serve.worker")
 
@@ -219,6 +222,15 @@ class DeviceThread:
                 log.exception("device thread call failed")
 
 
+def kernel_set_fingerprint(info: Mapping[str, Any]) -> str:
+    """Key of a model's recorded kernel set (``so2kernels.precompile``): what decides the kernel
+    variants its warm-up launches, i.e. the architecture and how it runs, not the weights, the
+    name or which GPU of a host it is on. ``info`` is the evaluator's ``info()``."""
+    execution = {k: v for k, v in dict(info.get("execution", {})).items() if k != "device"}
+    basis = json.dumps({"config": info.get("config"), "execution": execution}, sort_keys=True)
+    return hashlib.sha256(basis.encode()).hexdigest()[:16]
+
+
 class Worker:
     """Runs batches on the evaluator's device; calls of ``run`` must not overlap (the engine
     makes them from the device thread, or inline from the event loop while the device idles)."""
@@ -268,12 +280,18 @@ class Worker:
             finished_at=finished,
         )
 
-    def warm_up(self, numbers: Sequence[int]) -> None:
+    def warm_up(self, numbers: Sequence[int], *, preload: bool = True) -> None:
         """Small passes through every property, so that the first requests pay no one-time
         costs (kernel compilation, allocator growth, lazy initialisation): the same eight atoms
         in a periodic cell smaller than the cutoff (several images of each atom) and without a
         cell (one image: the neighbour search compiles that case separately). Every other
-        kernel variant depends only on the model, not on the size of what is sent."""
+        kernel variant depends only on the model, not on the size of what is sent.
+
+        With ``preload``, the kernels recorded for this model on this GPU model
+        (:func:`so2kernels.precompile.load_kernel_set`) are compiled first, all at once on a
+        thread pool, instead of one after the other at their first launch in the passes."""
+        if preload and self.device.type == "cuda":
+            self._preload_kernels()
         grid = np.stack(np.meshgrid(*(np.arange(2.0),) * 3, indexing="ij"), -1).reshape(-1, 3)
         positions = 2.1 * grid + 0.05 * np.arange(grid.shape[0])[:, None]
         species = [numbers[k % len(numbers)] for k in range(grid.shape[0])]
@@ -283,6 +301,19 @@ class Worker:
             output = self.run([structures], frozenset(("energy", "forces", "stress", "energies")))
             if output.failures:
                 raise next(iter(output.failures.values()))
+
+    def _preload_kernels(self) -> None:
+        name = torch.cuda.get_device_name(self.device)
+        specs = load_kernel_set(name, kernel_set_fingerprint(self._evaluator.info()))
+        if not specs:
+            return
+        with torch.cuda.device(self.device):
+            report = preload_kernels(specs)
+        log.info(
+            "compiled %d recorded kernels in %.1f s on %s%s", report.compiled, report.seconds,
+            self.device, f" ({len(report.failed)} left to their first launch)" if report.failed
+            else "",
+        )  # fmt: skip
 
     def _evaluate(
         self,

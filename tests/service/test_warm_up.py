@@ -4,21 +4,27 @@ On the CPU: the warm-up evaluates a periodic cell smaller than the cutoff and a 
 a cell, for every property. On the GPU (``gpu`` marker): in a fresh interpreter, after
 ``Worker.warm_up``, requests of other sizes and kinds (a molecule, a liquid-like box, a batch,
 odd atom counts, a box past graph replay's limit) miss no Triton kernel cache: no request pays a
-compilation, in either precision tier.
+compilation, in either precision tier. And the kernels a warm-up records, compiled up front on a
+fresh Triton cache (``so2kernels.precompile``), leave the warm-up's own passes nothing to
+compile; a recorded kernel that fails to compile is compiled again at its launch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from service.engine import ServiceMetrics, Worker
+from service.engine.worker import kernel_set_fingerprint
 from service.graph.structures import Structures
 from tests.service.fakes import REPO, PairPotential
 
@@ -39,6 +45,22 @@ def test_warm_up_covers_periodic_images_and_cell_less_structures() -> None:
     assert [periodic for periodic, _ in potential.seen] == [True, False]
     for _, properties in potential.seen:
         assert {"energy", "forces", "stress", "energies"} <= properties
+
+
+def test_kernel_set_fingerprint_follows_architecture_and_execution_only() -> None:
+    info = {
+        "name": "water", "sha256": "ab", "elements": ["H", "O"], "rcut": 6.0,
+        "config": {"lmax": 2, "focus_dim": 128}, "n_parameters": 10,
+        "execution": {"path": "fused", "precision": "fp32", "device": "cuda:0",
+                      "memory": "fast", "cuda_graphs": True},
+    }  # fmt: skip
+    key = kernel_set_fingerprint(info)
+    retrained = {**info, "name": "other", "sha256": "cd", "n_parameters": 11}
+    second_gpu = {**info, "execution": {**info["execution"], "device": "cuda:1"}}
+    assert kernel_set_fingerprint(retrained) == kernel_set_fingerprint(second_gpu) == key
+    fast = {**info, "execution": {**info["execution"], "precision": "fp16x3"}}
+    wider = {**info, "config": {"lmax": 3, "focus_dim": 128}}
+    assert len({key, kernel_set_fingerprint(fast), kernel_set_fingerprint(wider)}) == 3
 
 
 _FIRST_REQUESTS = r"""
@@ -100,3 +122,88 @@ def test_first_requests_after_warm_up_compile_nothing(precision: str) -> None:
     report = json.loads(done.stdout.strip().splitlines()[-1])
     compiled = {name: kernels for name, kernels in report.items() if kernels}
     assert not compiled, json.dumps(compiled, indent=1)
+
+
+_RECORD = r"""
+import json, sys
+from pathlib import Path
+from so2kernels import precompile
+from service.engine import ServiceMetrics, Worker
+from service.engine.evaluator import model_elements
+from service.engine.worker import kernel_set_fingerprint
+from service.model.potential import load_potentials
+
+precompile.TABLES_DIR = Path(sys.argv[1])
+(potential,) = load_potentials(None, devices="cuda:0", precision=sys.argv[2])
+with precompile.record_compiles() as recorded:
+    Worker(potential, ServiceMetrics()).warm_up(model_elements(potential.info()), preload=False)
+import torch
+name = torch.cuda.get_device_name(0)
+fingerprint = kernel_set_fingerprint(potential.info())
+specs = list(recorded)
+
+def sized(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 1
+
+# One record corrupted: its key is a real launch's, but the constants it compiles with are not.
+k = next(k for k, s in enumerate(specs) if any(map(sized, json.loads(s.spec)["constant_vals"])))
+broken = json.loads(specs[k].spec)
+broken["constant_vals"] = ["bogus" if sized(v) else v for v in broken["constant_vals"]]
+specs[k] = precompile.KernelSpec(specs[k].kernel, json.dumps(broken))
+precompile.save_kernel_set(name, fingerprint, specs)
+print(json.dumps({"recorded": len(specs), "broken": specs[k].kernel}))
+"""
+
+_PRELOAD = r"""
+import json, sys
+from pathlib import Path
+from triton import knobs
+from so2kernels import precompile
+from service.engine import ServiceMetrics, Worker
+from service.engine.evaluator import model_elements
+from service.engine.worker import kernel_set_fingerprint
+from service.model.potential import load_potentials
+import torch
+
+precompile.TABLES_DIR = Path(sys.argv[1])
+(potential,) = load_potentials(None, devices="cuda:0", precision=sys.argv[2])
+specs = precompile.load_kernel_set(torch.cuda.get_device_name(0),
+                                   kernel_set_fingerprint(potential.info()))
+report = precompile.preload_kernels(specs)
+misses = []
+knobs.runtime.jit_cache_hook = lambda *a, **kw: misses.append(kw["fn"].name) and False
+Worker(potential, ServiceMetrics()).warm_up(model_elements(potential.info()), preload=False)
+print(json.dumps({"specs": len(specs), "compiled": report.compiled,
+                  "failed": list(report.failed), "seconds": report.seconds, "misses": misses}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "fp16x3"])
+def test_recorded_kernels_compile_before_the_warm_up_needs_them(
+    precision: str, tmp_path: Path
+) -> None:
+    if torch.cuda.device_count() == 0:  # pragma: no cover - skipped by the marker
+        pytest.skip("needs CUDA")
+
+    def fresh_process(script: str) -> dict[str, Any]:
+        cache = tmp_path / f"triton-cache-{len(list(tmp_path.iterdir()))}"
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path), precision],
+            cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+            env={**os.environ, "TRITON_CACHE_DIR": str(cache)},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+    recorded = fresh_process(_RECORD)
+    assert recorded["recorded"] >= 10
+    preloaded = fresh_process(_PRELOAD)
+    assert preloaded["specs"] == recorded["recorded"]
+    assert preloaded["failed"] == [recorded["broken"]]
+    assert preloaded["compiled"] == recorded["recorded"] - 1
+    # Only the kernel whose record was broken compiles in the passes, at its launch.
+    assert [name.split(".")[-1] for name in preloaded["misses"]] == [
+        recorded["broken"].split(":")[-1]
+    ]

@@ -1,0 +1,203 @@
+"""Compile a known set of Triton kernels before their first launch, many at a time.
+
+A fresh process compiles each Triton kernel at its first launch, one after the other on the
+launching thread: a server's warm-up spends ~20 s there on an empty Triton cache. When the
+kernels a workload launches are known (recorded once on the same GPU model with the same Triton
+version) they can be compiled up front on a thread pool instead: Triton's compiler spends most
+of its time in MLIR, LLVM and ptxas, outside the GIL. Each compiled kernel lands in its JIT
+function's in-process cache (and Triton's disk cache) under the key its launch computes, so
+the launch finds it. A recorded kernel that no longer compiles (stale after a code change) is
+dropped again, and its first launch compiles it as before: preloading can only save time.
+
+Kernel sets live in ``so2kernels/tables/<gpu-slug>.kernels.json``, keyed by Triton version
+(the recorded specialisations are in that version's format) and by a workload fingerprint
+chosen by the caller::
+
+    {"3.6.0": {"<fingerprint>": [{"kernel": "module:qualname", "spec": "<Triton's JSON>"}, ...]}}
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from so2kernels.tiles import TABLES_DIR, device_slug
+
+__all__ = [
+    "KernelSpec",
+    "PreloadReport",
+    "kernel_set_path",
+    "load_kernel_set",
+    "preload_kernels",
+    "record_compiles",
+    "save_kernel_set",
+]
+
+log = logging.getLogger("so2kernels.precompile")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled variant of a kernel: ``kernel`` is ``"module:qualname"`` of its
+    ``@triton.jit`` function, ``spec`` Triton's serialised specialisation (JSON text)."""
+
+    kernel: str
+    spec: str
+
+    def resolve(self) -> JITFunction[Any]:
+        """The JIT function itself; ``LookupError`` if the name no longer leads to one."""
+        module_name, _, qualname = self.kernel.partition(":")
+        try:
+            target: Any = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                target = getattr(target, part)
+        except (ImportError, AttributeError) as exc:
+            raise LookupError(f"no kernel {self.kernel}") from exc
+        if not isinstance(target, JITFunction):
+            raise LookupError(f"{self.kernel} is not a Triton JIT function")
+        return target
+
+    def cache_key(self) -> str:
+        """The in-process cache key the launch computes (recorded with the specialisation)."""
+        return str(json.loads(self.spec)["key"])
+
+
+@dataclass(frozen=True)
+class PreloadReport:
+    """What :func:`preload_kernels` did: kernels compiled (or loaded from Triton's disk cache),
+    the names of those that failed (left to compile at their first launch), and the wall time."""
+
+    compiled: int
+    failed: tuple[str, ...]
+    seconds: float
+
+
+# Recording
+
+
+@contextmanager
+def record_compiles() -> Iterator[list[KernelSpec]]:
+    """Collect every kernel variant this process compiles or loads inside the block, in order,
+    without duplicates. Triton has one post-compile hook: an installed one keeps being called."""
+    recorded: list[KernelSpec] = []
+    seen: set[KernelSpec] = set()
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def on_compile(*args: Any, **kwargs: Any) -> Any:
+        jit = getattr(kwargs.get("fn"), "jit_function", None)
+        data = (kwargs.get("compile") or {}).get("specialization_data")
+        if isinstance(jit, JITFunction) and isinstance(data, str):
+            spec = KernelSpec(f"{jit.fn.__module__}:{jit.fn.__qualname__}", data)
+            if spec not in seen:
+                seen.add(spec)
+                recorded.append(spec)
+        return None if previous is None else previous(*args, **kwargs)
+
+    knobs.runtime.jit_post_compile_hook = on_compile
+    try:
+        yield recorded
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
+# Preloading
+
+
+def _default_workers() -> int:
+    return max(1, min(32, len(os.sched_getaffinity(0))))
+
+
+def preload_kernels(specs: Sequence[KernelSpec], *, workers: int | None = None) -> PreloadReport:
+    """Compile ``specs`` for the current CUDA device on ``workers`` threads (default: the CPUs
+    this process may use, at most 32) and return when all are done. Never raises for a spec: one
+    that cannot be resolved or compiled is reported in ``failed`` and left to its launch."""
+    from triton.runtime._async_compile import AsyncCompileMode, FutureKernel
+    from triton.runtime.driver import driver
+
+    start = time.perf_counter()
+    failed: list[str] = []
+    submitted: list[tuple[KernelSpec, JITFunction[Any]]] = []
+    threads = workers or _default_workers()
+    with (
+        ThreadPoolExecutor(threads, thread_name_prefix="triton-preload") as pool,
+        AsyncCompileMode(pool, ignore_errors=True),
+    ):
+        for spec in specs:
+            try:
+                fn = spec.resolve()
+                fn.preload(spec.spec)
+            except Exception as exc:  # a stale or foreign record: its launch compiles it
+                log.debug("not preloading %s: %s", spec.kernel, exc)
+                failed.append(spec.kernel)
+            else:
+                submitted.append((spec, fn))
+    # A compile that failed leaves its pending handle in the kernel cache, where the launch
+    # would re-raise the error: drop it, so that the launch compiles afresh.
+    device = driver.active.get_current_device()
+    compiled = 0
+    for spec, fn in submitted:
+        cache = fn.device_caches[device][0]
+        if isinstance(cache.get(spec.cache_key()), FutureKernel):
+            del cache[spec.cache_key()]
+            failed.append(spec.kernel)
+        else:
+            compiled += 1
+    return PreloadReport(compiled, tuple(failed), time.perf_counter() - start)
+
+
+# Kernel-set files
+
+
+def kernel_set_path(device_name: str) -> Path:
+    """``so2kernels/tables/<gpu-slug>.kernels.json`` for a CUDA device name."""
+    return TABLES_DIR / f"{device_slug(device_name)}.kernels.json"
+
+
+def _read(path: Path) -> dict[str, dict[str, list[dict[str, str]]]]:
+    if not path.is_file():
+        return {}
+    data: dict[str, dict[str, list[dict[str, str]]]] = json.loads(path.read_text())
+    return data
+
+
+def load_kernel_set(
+    device_name: str, fingerprint: str, *, triton_version: str = triton.__version__
+) -> list[KernelSpec]:
+    """The kernels recorded for ``fingerprint`` on this GPU model with this Triton version;
+    empty when none were (or the file is unreadable: preloading is an optimisation)."""
+    try:
+        entries = _read(kernel_set_path(device_name)).get(triton_version, {}).get(fingerprint, [])
+        return [KernelSpec(e["kernel"], e["spec"]) for e in entries]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("ignoring the kernel set for %s: %s", device_name, exc)
+        return []
+
+
+def save_kernel_set(
+    device_name: str,
+    fingerprint: str,
+    specs: Sequence[KernelSpec],
+    *,
+    triton_version: str = triton.__version__,
+) -> Path:
+    """Store ``specs`` for ``fingerprint`` (replacing an earlier record of it); returns the file."""
+    path = kernel_set_path(device_name)
+    data = _read(path)
+    data.setdefault(triton_version, {})[fingerprint] = [
+        {"kernel": s.kernel, "spec": s.spec} for s in specs
+    ]
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return path

@@ -1,0 +1,118 @@
+"""Recorded kernel sets (``so2kernels.precompile``): recording, the per-GPU files, resolving.
+
+Compiling a recorded set needs a CUDA driver: that half is tested on the GPU
+(``tests/service/test_warm_up.py``), where a server's warm-up preloads its kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from so2kernels import precompile
+from so2kernels.precompile import (
+    KernelSpec,
+    kernel_set_path,
+    load_kernel_set,
+    record_compiles,
+    save_kernel_set,
+)
+
+DEVICE = "NVIDIA H200"
+
+
+@pytest.fixture
+def tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(precompile, "TABLES_DIR", tmp_path)
+    return tmp_path
+
+
+def _spec(name: str, key: str = "k") -> KernelSpec:
+    return KernelSpec(f"tests.kernels.test_precompile:{name}", json.dumps({"key": key}))
+
+
+def _kernel_body(x_ptr: Any) -> None:  # a function to wrap in a JITFunction by hand
+    pass
+
+
+def test_kernel_sets_round_trip_per_triton_version_and_fingerprint(tables: Path) -> None:
+    first, second = [_spec("a", "1"), _spec("b", "2")], [_spec("c", "3")]
+    path = save_kernel_set(DEVICE, "model-a", first, triton_version="3.6.0")
+    save_kernel_set(DEVICE, "model-b", second, triton_version="3.6.0")
+    save_kernel_set(DEVICE, "model-a", second, triton_version="3.7.1")
+    assert path == kernel_set_path(DEVICE) == tables / "nvidia_h200.kernels.json"
+    assert load_kernel_set(DEVICE, "model-a", triton_version="3.6.0") == first
+    assert load_kernel_set(DEVICE, "model-b", triton_version="3.6.0") == second
+    assert load_kernel_set(DEVICE, "model-a", triton_version="3.7.1") == second
+    # Another Triton's records, another model, another GPU: nothing to preload.
+    assert load_kernel_set(DEVICE, "model-a", triton_version="3.5.0") == []
+    assert load_kernel_set(DEVICE, "model-c", triton_version="3.6.0") == []
+    assert load_kernel_set("NVIDIA A100-SXM4-80GB", "model-a", triton_version="3.6.0") == []
+    # A new record of a fingerprint replaces the old one.
+    save_kernel_set(DEVICE, "model-a", second, triton_version="3.6.0")
+    assert load_kernel_set(DEVICE, "model-a", triton_version="3.6.0") == second
+
+
+def test_an_unreadable_kernel_set_is_ignored_with_a_warning(
+    tables: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kernel_set_path(DEVICE).write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="so2kernels.precompile"):
+        assert load_kernel_set(DEVICE, "model-a") == []
+    assert "ignoring the kernel set" in caplog.text
+    kernel_set_path(DEVICE).write_text(json.dumps({"3.6.0": {"model-a": [{"spec": "{}"}]}}))
+    assert load_kernel_set(DEVICE, "model-a", triton_version="3.6.0") == []
+
+
+def test_specs_resolve_only_to_jit_functions() -> None:
+    with pytest.raises(LookupError, match="no kernel"):
+        KernelSpec("so2kernels.no_such_module:kernel", "{}").resolve()
+    with pytest.raises(LookupError, match="no kernel"):
+        KernelSpec("so2kernels.precompile:no_such_kernel", "{}").resolve()
+    with pytest.raises(LookupError, match="not a Triton JIT function"):
+        KernelSpec("so2kernels.precompile:load_kernel_set", "{}").resolve()
+    assert _spec("x", key="abc").cache_key() == "abc"
+
+
+def test_recording_collects_each_variant_once_and_keeps_an_installed_hook() -> None:
+    jit = JITFunction(_kernel_body)
+    earlier: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def installed(*_: Any, **kwargs: Any) -> None:
+        earlier.append(kwargs["compile"]["specialization_data"])
+
+    def compiled(data: str) -> None:
+        hook = knobs.runtime.jit_post_compile_hook
+        assert hook is not None
+        hook(key="k", fn=SimpleNamespace(jit_function=jit),
+             compile={"key": "k", "specialization_data": data})  # fmt: skip
+
+    knobs.runtime.jit_post_compile_hook = installed
+    try:
+        with record_compiles() as recorded:
+            compiled('{"key": "one"}')
+            compiled('{"key": "two"}')
+            compiled('{"key": "one"}')  # the same variant again (a second device, a reload)
+        assert knobs.runtime.jit_post_compile_hook is installed
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+    name = f"{_kernel_body.__module__}:_kernel_body"
+    assert recorded == [KernelSpec(name, '{"key": "one"}'), KernelSpec(name, '{"key": "two"}')]
+    assert len(earlier) == 3
+
+
+def test_recording_ignores_hook_calls_without_a_specialisation() -> None:
+    with record_compiles() as recorded:
+        hook = knobs.runtime.jit_post_compile_hook
+        assert hook is not None
+        hook(key="k", fn=SimpleNamespace(name="not a JIT function"), compile={})
+        hook(key="k", fn=SimpleNamespace(jit_function=JITFunction(_kernel_body)), compile={})
+    assert recorded == []
