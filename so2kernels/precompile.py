@@ -144,14 +144,16 @@ def preload_kernels(specs: Sequence[KernelSpec], *, workers: int | None = None) 
                 failed.append(spec.kernel)
             else:
                 submitted.append((spec, fn))
-    # A compile that failed leaves its pending handle in the kernel cache, where the launch
-    # would re-raise the error: drop it, so that the launch compiles afresh.
+    # A compile that failed leaves no kernel in the cache (Triton 3.6) or its pending handle,
+    # where the launch would re-raise the error (3.7): drop the handle, so that the launch
+    # compiles afresh.
     device = driver.active.get_current_device()
     compiled = 0
     for spec, fn in submitted:
         cache = fn.device_caches[device][0]
-        if isinstance(cache.get(spec.cache_key()), FutureKernel):
-            del cache[spec.cache_key()]
+        entry = cache.get(spec.cache_key())
+        if entry is None or isinstance(entry, FutureKernel):
+            cache.pop(spec.cache_key(), None)
             failed.append(spec.kernel)
         else:
             compiled += 1
