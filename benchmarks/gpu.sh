@@ -40,7 +40,7 @@ case "$topic" in
   tests-rest)  # every other gpu test (graph, model, service, clients, training)
     STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu tests/graph tests/model tests/service tests/clients tests/training
     ;;
-  cold-start)  # a fresh server process: imports, model load, warm-up, first requests (empty, then warm Triton cache)
+  cold-start)  # a fresh server process: imports, model load, warm-up, first requests; --scenarios record ... records the kernel sets
     STEP_S=${COLD_S:-500} run python3 benchmarks/cold_start.py "$@"
     ;;
   devices)  # every visible GPU behind one queue: the engine, then so2serve screen over HTTP and in process
