@@ -107,7 +107,7 @@ def _child(args: argparse.Namespace) -> None:
 
     from service.engine import ServiceMetrics, Worker
     from service.engine.evaluator import model_elements
-    from service.engine.worker import kernel_set_fingerprint
+    from service.engine.kernel_sets import kernel_set_fingerprint
     from service.model.potential import load_potentials
     from so2kernels.precompile import record_compiles, save_kernel_set
 

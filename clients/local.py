@@ -12,6 +12,7 @@ from ase.calculators.calculator import CalculationFailed, all_changes
 
 from clients._properties import IMPLEMENTED_PROPERTIES, SerialCalculator, properties_to_compute
 from service.engine.evaluator import Evaluator
+from service.engine.kernel_sets import preload_recorded_kernels
 from service.graph.structures import Structures
 from service.model.errors import non_finite_fields
 
@@ -31,8 +32,10 @@ class SO2LocalCalculator(SerialCalculator):
         precision: ``"fp32"`` (exact), ``"fp64"`` (reference path) or ``"fp16x3"`` (opt-in
             fast mixing-stack GEMMs, fused path only); reported in the potential's execution info.
 
-    Invalid structures raise ``service.graph.errors.InvalidStructureError`` (a ValueError); a
-    result with NaN or inf raises ASE's ``CalculationFailed`` instead of being returned.
+    A model loaded here on a GPU has its recorded kernel set compiled at once, before the
+    first calculation (``service.engine.kernel_sets``). Invalid structures raise
+    ``service.graph.errors.InvalidStructureError`` (a ValueError); a result with NaN or inf
+    raises ASE's ``CalculationFailed`` instead of being returned.
     """
 
     implemented_properties = IMPLEMENTED_PROPERTIES
@@ -53,6 +56,9 @@ class SO2LocalCalculator(SerialCalculator):
             self.potential: Evaluator = load_potential(
                 model, device=device, path=path, precision=precision
             )
+            # On a GPU with an empty Triton cache, one batch compile up front costs about half
+            # of what the first calculation would pay compiling kernel after kernel.
+            preload_recorded_kernels(self.potential)
         else:
             self.potential = model
 

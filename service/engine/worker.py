@@ -12,15 +12,13 @@ results and nobody receives partial or stale numbers.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -28,11 +26,11 @@ from torch import Tensor
 
 from service.engine.errors import StructureTooLargeError
 from service.engine.evaluator import Evaluator, PredictionLike
+from service.engine.kernel_sets import preload_recorded_kernels
 from service.engine.metrics import ServiceMetrics
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import StructureArrays, Structures
 from service.model.errors import NonFiniteResultError, non_finite_fields
-from so2kernels.precompile import load_kernel_set, preload_kernels
 
 log = logging.getLogger("so2serve.worker")
 
@@ -222,15 +220,6 @@ class DeviceThread:
                 log.exception("device thread call failed")
 
 
-def kernel_set_fingerprint(info: Mapping[str, Any]) -> str:
-    """Key of a model's recorded kernel set (``so2kernels.precompile``): what decides the kernel
-    variants its warm-up launches, i.e. the architecture and how it runs, not the weights, the
-    name or which GPU of a host it is on. ``info`` is the evaluator's ``info()``."""
-    execution = {k: v for k, v in dict(info.get("execution", {})).items() if k != "device"}
-    basis = json.dumps({"config": info.get("config"), "execution": execution}, sort_keys=True)
-    return hashlib.sha256(basis.encode()).hexdigest()[:16]
-
-
 class Worker:
     """Runs batches on the evaluator's device; calls of ``run`` must not overlap (the engine
     makes them from the device thread, or inline from the event loop while the device idles)."""
@@ -288,10 +277,10 @@ class Worker:
         kernel variant depends only on the model, not on the size of what is sent.
 
         With ``preload``, the kernels recorded for this model on this GPU model
-        (:func:`so2kernels.precompile.load_kernel_set`) are compiled first, all at once on a
-        thread pool, instead of one after the other at their first launch in the passes."""
-        if preload and self.device.type == "cuda":
-            self._preload_kernels()
+        (:mod:`service.engine.kernel_sets`) are compiled first, all at once on a thread pool,
+        instead of one after the other at their first launch in the passes."""
+        if preload:
+            preload_recorded_kernels(self._evaluator)
         grid = np.stack(np.meshgrid(*(np.arange(2.0),) * 3, indexing="ij"), -1).reshape(-1, 3)
         positions = 2.1 * grid + 0.05 * np.arange(grid.shape[0])[:, None]
         species = [numbers[k % len(numbers)] for k in range(grid.shape[0])]
@@ -301,19 +290,6 @@ class Worker:
             output = self.run([structures], frozenset(("energy", "forces", "stress", "energies")))
             if output.failures:
                 raise next(iter(output.failures.values()))
-
-    def _preload_kernels(self) -> None:
-        name = torch.cuda.get_device_name(self.device)
-        specs = load_kernel_set(name, kernel_set_fingerprint(self._evaluator.info()))
-        if not specs:
-            return
-        with torch.cuda.device(self.device):
-            report = preload_kernels(specs)
-        log.info(
-            "compiled %d recorded kernels in %.1f s on %s%s", report.compiled, report.seconds,
-            self.device, f" ({len(report.failed)} left to their first launch)" if report.failed
-            else "",
-        )  # fmt: skip
 
     def _evaluate(
         self,

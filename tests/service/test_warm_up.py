@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from service.engine import ServiceMetrics, Worker
-from service.engine.worker import kernel_set_fingerprint
+from service.engine.kernel_sets import kernel_set_fingerprint, preload_recorded_kernels
 from service.graph.structures import Structures
 from tests.service.fakes import REPO, PairPotential
 
@@ -61,6 +61,10 @@ def test_kernel_set_fingerprint_follows_architecture_and_execution_only() -> Non
     fast = {**info, "execution": {**info["execution"], "precision": "fp16x3"}}
     wider = {**info, "config": {"lmax": 3, "focus_dim": 128}}
     assert len({key, kernel_set_fingerprint(fast), kernel_set_fingerprint(wider)}) == 3
+
+
+def test_nothing_is_preloaded_off_cuda() -> None:
+    assert preload_recorded_kernels(PairPotential(rcut=6.0, elements=("H", "O"))) is None
 
 
 _FIRST_REQUESTS = r"""
@@ -130,7 +134,7 @@ from pathlib import Path
 from so2kernels import precompile
 from service.engine import ServiceMetrics, Worker
 from service.engine.evaluator import model_elements
-from service.engine.worker import kernel_set_fingerprint
+from service.engine.kernel_sets import kernel_set_fingerprint
 from service.model.potential import load_potentials
 
 precompile.TABLES_DIR = Path(sys.argv[1])
@@ -161,7 +165,7 @@ from triton import knobs
 from so2kernels import precompile
 from service.engine import ServiceMetrics, Worker
 from service.engine.evaluator import model_elements
-from service.engine.worker import kernel_set_fingerprint
+from service.engine.kernel_sets import kernel_set_fingerprint
 from service.model.potential import load_potentials
 import torch
 

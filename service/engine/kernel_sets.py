@@ -1,0 +1,51 @@
+"""A model's recorded kernel set (``so2kernels.precompile``): which one it is, and compiling it.
+
+The server's warm-up and the in-process calculator compile the set up front, all at once,
+instead of one kernel at a time at each kernel's first launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from service.engine.evaluator import Evaluator
+from so2kernels.precompile import PreloadReport, load_kernel_set, preload_kernels
+
+__all__ = ["kernel_set_fingerprint", "preload_recorded_kernels"]
+
+log = logging.getLogger("so2serve.kernels")
+
+
+def kernel_set_fingerprint(info: Mapping[str, Any]) -> str:
+    """Key of a model's recorded kernel set: what decides the kernel variants it launches, i.e.
+    the architecture and how it runs, not the weights, the name or which GPU of a host it is
+    on. ``info`` is the evaluator's ``info()``."""
+    execution = {k: v for k, v in dict(info.get("execution", {})).items() if k != "device"}
+    basis = json.dumps({"config": info.get("config"), "execution": execution}, sort_keys=True)
+    return hashlib.sha256(basis.encode()).hexdigest()[:16]
+
+
+def preload_recorded_kernels(evaluator: Evaluator) -> PreloadReport | None:
+    """Compile the kernel set recorded for ``evaluator``'s model on its GPU model (and this
+    Triton version); None where there is none, or off CUDA."""
+    device = torch.device(evaluator.execution.device)
+    if device.type != "cuda":
+        return None
+    specs = load_kernel_set(
+        torch.cuda.get_device_name(device), kernel_set_fingerprint(evaluator.info())
+    )
+    if not specs:
+        return None
+    with torch.cuda.device(device):
+        report = preload_kernels(specs)
+    log.info(
+        "compiled %d recorded kernels in %.1f s on %s%s", report.compiled, report.seconds, device,
+        f" ({len(report.failed)} left to their first launch)" if report.failed else "",
+    )  # fmt: skip
+    return report
