@@ -6,7 +6,8 @@ a cell, for every property. On the GPU (``gpu`` marker): in a fresh interpreter,
 odd atom counts, a box past graph replay's limit) miss no Triton kernel cache: no request pays a
 compilation, in either precision tier. And the kernels a warm-up records, compiled up front on a
 fresh Triton cache (``so2kernels.precompile``), leave the warm-up's own passes nothing to
-compile; a recorded kernel that fails to compile is compiled again at its launch.
+compile (nor the in-process calculator's first step); a recorded kernel that fails to compile
+is compiled again at its launch.
 """
 
 from __future__ import annotations
@@ -211,3 +212,37 @@ def test_recorded_kernels_compile_before_the_warm_up_needs_them(
     assert [name.split(".")[-1] for name in preloaded["misses"]] == [
         recorded["broken"].split(":")[-1]
     ]
+
+
+_LOCAL_CALCULATOR = r"""
+import json
+import numpy as np
+from ase import Atoms
+from triton import knobs
+from clients import SO2LocalCalculator
+
+calc = SO2LocalCalculator(None, device="cuda:0")
+misses = []
+knobs.runtime.jit_cache_hook = lambda *a, **kw: misses.append(kw["fn"].name) and False
+grid = np.stack(np.meshgrid(*(np.arange(3),) * 3, indexing="ij"), -1).reshape(-1, 3)
+atoms = Atoms(numbers=[8, 1, 1] * 9, positions=2.2 * grid + 0.03 * np.arange(27)[:, None],
+              cell=6.6 * np.eye(3), pbc=True)
+atoms.calc = calc
+atoms.get_forces()
+print(json.dumps({"misses": misses}))
+"""
+
+
+@pytest.mark.gpu
+def test_local_calculator_compiles_its_kernels_before_the_first_step(tmp_path: Path) -> None:
+    """On an empty Triton cache the in-process calculator's constructor compiles the shipped
+    model's recorded kernel set; its first calculation then compiles nothing."""
+    if torch.cuda.device_count() == 0:  # pragma: no cover - skipped by the marker
+        pytest.skip("needs CUDA")
+    done = subprocess.run(
+        [sys.executable, "-c", _LOCAL_CALCULATOR],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"misses": []}
