@@ -48,6 +48,9 @@ __all__ = [
 
 log = logging.getLogger("so2kernels.precompile")
 
+KERNEL_PACKAGES = ("so2kernels", "service")
+"""Top-level packages whose Triton kernels a kernel set may name."""
+
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -58,8 +61,11 @@ class KernelSpec:
     spec: str
 
     def resolve(self) -> JITFunction[Any]:
-        """The JIT function itself; ``LookupError`` if the name no longer leads to one."""
+        """The JIT function itself; ``LookupError`` if the name no longer leads to one, or
+        leads outside this project's packages (a record never imports anything else)."""
         module_name, _, qualname = self.kernel.partition(":")
+        if module_name.partition(".")[0] not in KERNEL_PACKAGES:
+            raise LookupError(f"{self.kernel} is not a kernel of {', '.join(KERNEL_PACKAGES)}")
         try:
             target: Any = importlib.import_module(module_name)
             for part in qualname.split("."):

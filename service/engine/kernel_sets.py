@@ -42,8 +42,12 @@ def preload_recorded_kernels(evaluator: Evaluator) -> PreloadReport | None:
     )
     if not specs:
         return None
-    with torch.cuda.device(device):
-        report = preload_kernels(specs)
+    try:
+        with torch.cuda.device(device):
+            report = preload_kernels(specs)
+    except Exception:  # an optimisation only: the kernels still compile at their launch
+        log.warning("could not preload the recorded kernels on %s", device, exc_info=True)
+        return None
     log.info(
         "compiled %d recorded kernels in %.1f s on %s%s", report.compiled, report.seconds, device,
         f" ({len(report.failed)} left to their first launch)" if report.failed else "",

@@ -76,6 +76,8 @@ def test_specs_resolve_only_to_jit_functions() -> None:
         KernelSpec("so2kernels.no_such_module:kernel", "{}").resolve()
     with pytest.raises(LookupError, match="no kernel"):
         KernelSpec("so2kernels.precompile:no_such_kernel", "{}").resolve()
+    with pytest.raises(LookupError, match="not a kernel of so2kernels, service"):
+        KernelSpec("os:system", "{}").resolve()
     with pytest.raises(LookupError, match="not a Triton JIT function"):
         KernelSpec("so2kernels.precompile:load_kernel_set", "{}").resolve()
     assert _spec("x", key="abc").cache_key() == "abc"

@@ -27,7 +27,7 @@ import torch
 from service.engine import ServiceMetrics, Worker
 from service.engine.kernel_sets import kernel_set_fingerprint, preload_recorded_kernels
 from service.graph.structures import Structures
-from tests.service.fakes import REPO, PairPotential
+from tests.service.fakes import REPO, FakeExecution, PairPotential
 
 
 @dataclass
@@ -246,3 +246,27 @@ def test_local_calculator_compiles_its_kernels_before_the_first_step(tmp_path: P
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"misses": []}
+
+
+def test_a_failing_preload_leaves_the_kernels_to_their_launch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Preloading is an optimisation: whatever goes wrong in it, the warm-up goes on."""
+    import contextlib
+
+    from service.engine import kernel_sets
+    from so2kernels.precompile import KernelSpec
+
+    def broken(*_: Any, **__: Any) -> None:
+        raise RuntimeError("a Triton without the preload machinery")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device", lambda *_: contextlib.nullcontext())
+    monkeypatch.setattr(
+        kernel_sets, "load_kernel_set", lambda *_: [KernelSpec("so2kernels:k", "{}")]
+    )
+    monkeypatch.setattr(kernel_sets, "preload_kernels", broken)
+    on_gpu = PairPotential(rcut=6.0, elements=("H", "O"), execution=FakeExecution(device="cuda:0"))
+    with caplog.at_level("WARNING", logger="so2serve.kernels"):
+        assert kernel_sets.preload_recorded_kernels(on_gpu) is None
+    assert "could not preload the recorded kernels on cuda:0" in caplog.text
