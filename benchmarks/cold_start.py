@@ -140,6 +140,8 @@ def _child(args: argparse.Namespace) -> None:
     worker = Worker(potential, ServiceMetrics())
     step("load default model", t0)
     t0 = time.perf_counter()
+    # Keyed as a server keys it, before its warm-up (a failed graph capture changes the info).
+    fingerprint = kernel_set_fingerprint(potential.info())
     with record_compiles() as recorded:
         worker.warm_up(
             model_elements(potential.info()), preload=args.scenario in ("fresh-cache", "warm-cache")
@@ -147,7 +149,7 @@ def _child(args: argparse.Namespace) -> None:
     step("server warm-up", t0)
     if args.scenario == "record" and device.startswith("cuda"):
         name = torch.cuda.get_device_name(device)
-        path = save_kernel_set(name, kernel_set_fingerprint(potential.info()), recorded)
+        path = save_kernel_set(name, fingerprint, recorded)
         print(f"  recorded {len(recorded)} kernels in {path}", flush=True)
     properties = frozenset(("energy", "forces", "stress"))
     for name in workloads:

@@ -1,19 +1,25 @@
-"""Compile a known set of Triton kernels before their first launch, many at a time.
+"""Compile a known set of Triton kernels before their first launch, several at a time.
 
 A fresh process compiles each Triton kernel at its first launch, one after the other on the
-launching thread: a server's warm-up spends ~20 s there on an empty Triton cache. When the
-kernels a workload launches are known (recorded once on the same GPU model with the same Triton
-version) they can be compiled up front on a thread pool instead: Triton's compiler spends most
-of its time in MLIR, LLVM and ptxas, outside the GIL. Each compiled kernel lands in its JIT
-function's in-process cache (and Triton's disk cache) under the key its launch computes, so
-the launch finds it. A recorded kernel that no longer compiles (stale after a code change) is
-dropped again, and its first launch compiles it as before: preloading can only save time.
+launching thread: a server's warm-up spends ~30 s there on an empty Triton cache (H200 host).
+When the kernels a workload launches are known (recorded once on the same GPU model with the
+same Triton version) they can be compiled up front on a few threads instead. About half of a
+compile (LLVM, ptxas) runs outside the GIL, which makes that ~2x faster. Each compiled kernel
+lands in its JIT function's in-process cache (and Triton's disk cache) under the key its launch
+computes, so the launch finds it.
+
+A record of a kernel whose source changed since is skipped, and one that fails to compile is
+dropped: those kernels compile at their first launch as before. A record that still compiles
+but that no launch asks for any more (its launcher changed, e.g. new tiles) only costs compile
+time: re-record after such changes (``benchmarks/cold_start.py --scenarios record``); a gpu
+test checks that the shipped sets cover the server's warm-up.
 
 Kernel sets live in ``so2kernels/tables/<gpu-slug>.kernels.json``, keyed by Triton version
 (the recorded specialisations are in that version's format) and by a workload fingerprint
 chosen by the caller::
 
-    {"3.6.0": {"<fingerprint>": [{"kernel": "module:qualname", "spec": "<Triton's JSON>"}, ...]}}
+    {"3.6.0": {"<fingerprint>": [{"kernel": "module:qualname", "spec": "<Triton's JSON>",
+                                  "source": "<the function's source hash>"}, ...]}}
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import torch
 import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
@@ -55,10 +63,13 @@ KERNEL_PACKAGES = ("so2kernels", "service")
 @dataclass(frozen=True)
 class KernelSpec:
     """One compiled variant of a kernel: ``kernel`` is ``"module:qualname"`` of its
-    ``@triton.jit`` function, ``spec`` Triton's serialised specialisation (JSON text)."""
+    ``@triton.jit`` function, ``spec`` Triton's serialised specialisation (JSON text), and
+    ``source`` the function's source hash when it was recorded (Triton's ``cache_key``; empty:
+    unknown), so that a record of a kernel changed since is not compiled for nothing."""
 
     kernel: str
     spec: str
+    source: str = ""
 
     def resolve(self) -> JITFunction[Any]:
         """The JIT function itself; ``LookupError`` if the name no longer leads to one, or
@@ -74,8 +85,11 @@ class KernelSpec:
             raise LookupError(f"no kernel {self.kernel}") from exc
         if not isinstance(target, JITFunction):
             raise LookupError(f"{self.kernel} is not a Triton JIT function")
+        if self.source and self.source != target.cache_key:
+            raise LookupError(f"{self.kernel} changed since it was recorded")
         return target
 
+    @cached_property
     def cache_key(self) -> str:
         """The in-process cache key the launch computes (recorded with the specialisation)."""
         return str(json.loads(self.spec)["key"])
@@ -106,7 +120,8 @@ def record_compiles() -> Iterator[list[KernelSpec]]:
         jit = getattr(kwargs.get("fn"), "jit_function", None)
         data = (kwargs.get("compile") or {}).get("specialization_data")
         if isinstance(jit, JITFunction) and isinstance(data, str):
-            spec = KernelSpec(f"{jit.fn.__module__}:{jit.fn.__qualname__}", data)
+            name = f"{jit.fn.__module__}:{jit.fn.__qualname__}"
+            spec = KernelSpec(name, data, jit.cache_key)
             if spec not in seen:
                 seen.add(spec)
                 recorded.append(spec)
@@ -123,47 +138,54 @@ def record_compiles() -> Iterator[list[KernelSpec]]:
 
 
 def _default_workers() -> int:
-    return max(1, min(32, len(os.sched_getaffinity(0))))
+    # About half of a compile holds the GIL (Triton's front end and MLIR passes): past a few
+    # threads more only add memory (H200 host: 16 threads, ~2x faster than one at a time).
+    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-def preload_kernels(specs: Sequence[KernelSpec], *, workers: int | None = None) -> PreloadReport:
-    """Compile ``specs`` for the current CUDA device on ``workers`` threads (default: the CPUs
-    this process may use, at most 32) and return when all are done. Never raises for a spec: one
-    that cannot be resolved or compiled is reported in ``failed`` and left to its launch."""
-    from triton.runtime._async_compile import AsyncCompileMode, FutureKernel
-    from triton.runtime.driver import driver
+def preload_kernels(
+    specs: Sequence[KernelSpec], *, device: int | None = None, workers: int | None = None
+) -> PreloadReport:
+    """Compile ``specs`` for CUDA device ``device`` (default: the current one) on ``workers``
+    threads (default: the CPUs this process may use, at most 8) and return when all are done.
+    A variant already in the kernel's cache is left alone. Never raises for a spec: one that
+    cannot be resolved or compiled is reported in ``failed`` and left to its first launch.
 
+    Each thread runs Triton's own synchronous preload, which puts a kernel in the cache only
+    once it has compiled: a launch elsewhere never meets a half-done or failed one."""
     start = time.perf_counter()
+    index = torch.cuda.current_device() if device is None else device
     failed: list[str] = []
-    submitted: list[tuple[KernelSpec, JITFunction[Any]]] = []
-    threads = workers or _default_workers()
-    with (
-        ThreadPoolExecutor(threads, thread_name_prefix="triton-preload") as pool,
-        AsyncCompileMode(pool, ignore_errors=True),
-    ):
-        for spec in specs:
-            try:
-                fn = spec.resolve()
-                fn.preload(spec.spec)
-            except Exception as exc:  # a stale or foreign record: its launch compiles it
-                log.debug("not preloading %s: %s", spec.kernel, exc)
-                failed.append(spec.kernel)
-            else:
-                submitted.append((spec, fn))
-    # A compile that failed leaves no kernel in the cache (Triton 3.6) or its pending handle,
-    # where the launch would re-raise the error (3.7): drop the handle, so that the launch
-    # compiles afresh.
-    device = driver.active.get_current_device()
-    compiled = 0
-    for spec, fn in submitted:
-        cache = fn.device_caches[device][0]
-        entry = cache.get(spec.cache_key())
-        if entry is None or isinstance(entry, FutureKernel):
-            cache.pop(spec.cache_key(), None)
+    present = 0
+    jobs: list[tuple[KernelSpec, JITFunction[Any]]] = []
+    for spec in specs:
+        try:
+            fn = spec.resolve()
+            # The per-device cache is created on first use: here, not by several threads.
+            cache = fn.device_caches[index][0]
+        except Exception as exc:  # a stale or foreign record: its launch compiles it
+            log.debug("not preloading %s: %s", spec.kernel, exc)
             failed.append(spec.kernel)
+            continue
+        if spec.cache_key in cache:
+            present += 1
         else:
-            compiled += 1
-    return PreloadReport(compiled, tuple(failed), time.perf_counter() - start)
+            jobs.append((spec, fn))
+
+    def compile_one(job: tuple[KernelSpec, JITFunction[Any]]) -> bool:
+        spec, fn = job
+        try:
+            with torch.cuda.device(index):
+                fn.preload(spec.spec)
+        except Exception as exc:
+            log.debug("preloading %s failed: %s", spec.kernel, exc)
+            return False
+        return True
+
+    with ThreadPoolExecutor(workers or _default_workers(), "triton-preload") as pool:
+        done = list(pool.map(compile_one, jobs))
+    failed += [spec.kernel for (spec, _), ok in zip(jobs, done, strict=True) if not ok]
+    return PreloadReport(present + sum(done), tuple(failed), time.perf_counter() - start)
 
 
 # Kernel-set files
@@ -188,7 +210,7 @@ def load_kernel_set(
     empty when none were (or the file is unreadable: preloading is an optimisation)."""
     try:
         entries = _read(kernel_set_path(device_name)).get(triton_version, {}).get(fingerprint, [])
-        return [KernelSpec(e["kernel"], e["spec"]) for e in entries]
+        return [KernelSpec(e["kernel"], e["spec"], e.get("source", "")) for e in entries]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("ignoring the kernel set for %s: %s", device_name, exc)
         return []
@@ -205,7 +227,9 @@ def save_kernel_set(
     path = kernel_set_path(device_name)
     data = _read(path)
     data.setdefault(triton_version, {})[fingerprint] = [
-        {"kernel": s.kernel, "spec": s.spec} for s in specs
+        {"kernel": s.kernel, "spec": s.spec, "source": s.source} for s in specs
     ]
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    staged = path.with_suffix(".tmp")
+    staged.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    staged.replace(path)  # readers never see half a file
     return path

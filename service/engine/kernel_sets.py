@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import triton
 
 from service.engine.evaluator import Evaluator
 from so2kernels.precompile import PreloadReport, load_kernel_set, preload_kernels
@@ -27,26 +28,32 @@ def kernel_set_fingerprint(info: Mapping[str, Any]) -> str:
     the architecture and how it runs, not the weights, the name or which GPU of a host it is
     on. ``info`` is the evaluator's ``info()``."""
     execution = {k: v for k, v in dict(info.get("execution", {})).items() if k != "device"}
-    basis = json.dumps({"config": info.get("config"), "execution": execution}, sort_keys=True)
-    return hashlib.sha256(basis.encode()).hexdigest()[:16]
+    basis = {"config": info.get("config"), "execution": execution}
+    return hashlib.sha256(json.dumps(basis, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def preload_recorded_kernels(evaluator: Evaluator) -> PreloadReport | None:
     """Compile the kernel set recorded for ``evaluator``'s model on its GPU model (and this
-    Triton version); None where there is none, or off CUDA."""
-    device = torch.device(evaluator.execution.device)
-    if device.type != "cuda":
-        return None
-    specs = load_kernel_set(
-        torch.cuda.get_device_name(device), kernel_set_fingerprint(evaluator.info())
-    )
-    if not specs:
-        return None
+    Triton version); None where there is none, off CUDA, or when preloading fails (logged: the
+    kernels then compile at their first launch, as without a record)."""
     try:
-        with torch.cuda.device(device):
-            report = preload_kernels(specs)
+        device = torch.device(evaluator.execution.device)
+        if device.type != "cuda":
+            return None
+        gpu, fingerprint = (
+            torch.cuda.get_device_name(device),
+            kernel_set_fingerprint(evaluator.info()),
+        )
+        specs = load_kernel_set(gpu, fingerprint)
+        if not specs:
+            log.info(
+                "no kernel set recorded for this model (%s) on %s with Triton %s: kernels "
+                "compile at their first launch", fingerprint, gpu, triton.__version__,
+            )  # fmt: skip
+            return None
+        report = preload_kernels(specs, device=device.index)
     except Exception:  # an optimisation only: the kernels still compile at their launch
-        log.warning("could not preload the recorded kernels on %s", device, exc_info=True)
+        log.warning("could not preload the recorded kernels", exc_info=True)
         return None
     log.info(
         "compiled %d recorded kernels in %.1f s on %s%s", report.compiled, report.seconds, device,

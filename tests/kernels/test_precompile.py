@@ -6,13 +6,16 @@ Compiling a recorded set needs a CUDA driver: that half is tested on the GPU
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -21,6 +24,7 @@ from so2kernels.precompile import (
     KernelSpec,
     kernel_set_path,
     load_kernel_set,
+    preload_kernels,
     record_compiles,
     save_kernel_set,
 )
@@ -40,6 +44,9 @@ def _spec(name: str, key: str = "k") -> KernelSpec:
 
 def _kernel_body(x_ptr: Any) -> None:  # a function to wrap in a JITFunction by hand
     pass
+
+
+_jit_kernel = JITFunction(_kernel_body)
 
 
 def test_kernel_sets_round_trip_per_triton_version_and_fingerprint(tables: Path) -> None:
@@ -80,7 +87,7 @@ def test_specs_resolve_only_to_jit_functions() -> None:
         KernelSpec("os:system", "{}").resolve()
     with pytest.raises(LookupError, match="not a Triton JIT function"):
         KernelSpec("so2kernels.precompile:load_kernel_set", "{}").resolve()
-    assert _spec("x", key="abc").cache_key() == "abc"
+    assert _spec("x", key="abc").cache_key == "abc"
 
 
 def test_recording_collects_each_variant_once_and_keeps_an_installed_hook() -> None:
@@ -106,8 +113,11 @@ def test_recording_collects_each_variant_once_and_keeps_an_installed_hook() -> N
         assert knobs.runtime.jit_post_compile_hook is installed
     finally:
         knobs.runtime.jit_post_compile_hook = previous
-    name = f"{_kernel_body.__module__}:_kernel_body"
-    assert recorded == [KernelSpec(name, '{"key": "one"}'), KernelSpec(name, '{"key": "two"}')]
+    name, source = f"{_kernel_body.__module__}:_kernel_body", jit.cache_key
+    assert recorded == [
+        KernelSpec(name, '{"key": "one"}', source),
+        KernelSpec(name, '{"key": "two"}', source),
+    ]
     assert len(earlier) == 3
 
 
@@ -118,3 +128,51 @@ def test_recording_ignores_hook_calls_without_a_specialisation() -> None:
         hook(key="k", fn=SimpleNamespace(name="not a JIT function"), compile={})
         hook(key="k", fn=SimpleNamespace(jit_function=JITFunction(_kernel_body)), compile={})
     assert recorded == []
+
+
+def test_a_record_of_a_kernel_changed_since_does_not_resolve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(precompile, "KERNEL_PACKAGES", (__name__.partition(".")[0],))
+    name = f"{__name__}:_jit_kernel"
+    assert KernelSpec(name, "{}").resolve() is _jit_kernel  # recorded without a source hash
+    assert KernelSpec(name, "{}", _jit_kernel.cache_key).resolve() is _jit_kernel
+    with pytest.raises(LookupError, match="changed since it was recorded"):
+        KernelSpec(name, "{}", "0" * 64).resolve()
+
+
+class _FakeKernel:
+    """The surface of a JIT function that preloading touches: per-device caches, preload."""
+
+    def __init__(self, failing: set[str]) -> None:
+        self.device_caches: defaultdict[int, tuple[dict[str, object], None]] = defaultdict(
+            lambda: ({}, None)
+        )
+        self.failing = failing
+
+    def preload(self, data: str) -> None:
+        key = json.loads(data)["key"]
+        if key in self.failing:
+            raise RuntimeError(f"{key} does not compile")
+        self.device_caches[1][0][key] = f"kernel {key}"  # as Triton's does, on success only
+
+
+def test_preloading_compiles_what_is_missing_and_reports_what_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kernel = _FakeKernel(failing={"broken"})
+    kernel.device_caches[1][0]["loaded"] = "kernel loaded"
+
+    def resolve(spec: KernelSpec) -> _FakeKernel:
+        if spec.kernel.endswith("gone"):
+            raise LookupError(f"no kernel {spec.kernel}")
+        return kernel
+
+    monkeypatch.setattr(KernelSpec, "resolve", resolve)
+    monkeypatch.setattr(torch.cuda, "device", lambda *_: contextlib.nullcontext())
+    specs = [_spec("a", "new"), _spec("b", "loaded"), _spec("c", "broken"), _spec("gone", "x")]
+    report = preload_kernels(specs, device=1, workers=2)
+    assert report.compiled == 2  # "new" now, "loaded" already there
+    assert sorted(report.failed) == sorted([specs[2].kernel, specs[3].kernel])
+    assert kernel.device_caches[1][0] == {"loaded": "kernel loaded", "new": "kernel new"}
+    assert report.seconds >= 0.0

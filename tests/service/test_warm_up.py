@@ -140,11 +140,11 @@ from service.model.potential import load_potentials
 
 precompile.TABLES_DIR = Path(sys.argv[1])
 (potential,) = load_potentials(None, devices="cuda:0", precision=sys.argv[2])
+fingerprint = kernel_set_fingerprint(potential.info())
 with precompile.record_compiles() as recorded:
     Worker(potential, ServiceMetrics()).warm_up(model_elements(potential.info()), preload=False)
 import torch
 name = torch.cuda.get_device_name(0)
-fingerprint = kernel_set_fingerprint(potential.info())
 specs = list(recorded)
 
 def sized(value):
@@ -252,8 +252,6 @@ def test_a_failing_preload_leaves_the_kernels_to_their_launch(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Preloading is an optimisation: whatever goes wrong in it, the warm-up goes on."""
-    import contextlib
-
     from service.engine import kernel_sets
     from so2kernels.precompile import KernelSpec
 
@@ -261,7 +259,6 @@ def test_a_failing_preload_leaves_the_kernels_to_their_launch(
         raise RuntimeError("a Triton without the preload machinery")
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "device", lambda *_: contextlib.nullcontext())
     monkeypatch.setattr(
         kernel_sets, "load_kernel_set", lambda *_: [KernelSpec("so2kernels:k", "{}")]
     )
@@ -269,4 +266,85 @@ def test_a_failing_preload_leaves_the_kernels_to_their_launch(
     on_gpu = PairPotential(rcut=6.0, elements=("H", "O"), execution=FakeExecution(device="cuda:0"))
     with caplog.at_level("WARNING", logger="so2serve.kernels"):
         assert kernel_sets.preload_recorded_kernels(on_gpu) is None
-    assert "could not preload the recorded kernels on cuda:0" in caplog.text
+    assert "could not preload the recorded kernels" in caplog.text
+
+
+def test_warm_up_preloads_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.engine import worker as worker_module
+
+    calls: list[object] = []
+    monkeypatch.setattr(worker_module, "preload_recorded_kernels", calls.append)
+    potential = PairPotential(rcut=6.0, elements=("H", "O"))
+    worker = Worker(potential, ServiceMetrics())
+    worker.warm_up([1, 8], preload=False)
+    assert calls == []
+    worker.warm_up([1, 8])
+    assert calls == [potential]
+
+
+def test_the_local_calculator_preloads_the_models_it_loads_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from clients import local
+
+    calls: list[object] = []
+    monkeypatch.setattr(local, "preload_recorded_kernels", calls.append)
+    local.SO2LocalCalculator(PairPotential(rcut=6.0, elements=("H", "O")))
+    assert calls == []  # a potential the caller loaded is the caller's business
+    calc = local.SO2LocalCalculator(None, device="cpu")
+    assert calls == [calc.potential]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16x3"])
+def test_the_shipped_kernel_sets_match_the_shipped_model(precision: str) -> None:
+    """The recorded sets are found by the fingerprint a server computes for the shipped model
+    on a GPU: a change of the model's config (or of the fingerprint) must come with a new
+    record (``benchmarks/cold_start.py --scenarios record``)."""
+    from service.model.potential import load_potential
+    from so2kernels.precompile import kernel_set_path
+
+    info = load_potential(None, device="cpu", path="reference").info()
+    on_gpu = {"path": "fused", "precision": precision, "device": "cuda:0", "memory": "auto",
+              "cuda_graphs": True}  # fmt: skip
+    recorded = json.loads(kernel_set_path("NVIDIA H200").read_text())["3.6.0"]
+    assert kernel_set_fingerprint({**info, "execution": on_gpu}) in recorded
+
+
+_SHIPPED = r"""
+import json, sys
+from triton import knobs
+from service.engine import ServiceMetrics, Worker
+from service.engine.evaluator import model_elements
+from service.engine.kernel_sets import preload_recorded_kernels
+from service.model.potential import load_potentials
+
+(potential,) = load_potentials(None, devices="cuda:0", precision=sys.argv[1])
+report = preload_recorded_kernels(potential)
+misses = []
+knobs.runtime.jit_cache_hook = lambda *a, **kw: misses.append(kw["fn"].name) and False
+Worker(potential, ServiceMetrics()).warm_up(model_elements(potential.info()), preload=False)
+print(json.dumps({"compiled": report and report.compiled, "failed": report and report.failed,
+                  "misses": misses}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "fp16x3"])
+def test_the_shipped_kernel_sets_cover_the_warm_up(precision: str, tmp_path: Path) -> None:
+    """On this GPU, a fresh Triton cache and the shipped model: every recorded kernel compiles,
+    and the warm-up's passes then compile nothing (a set gone stale after a launcher change,
+    e.g. new tiles, fails here). Only meaningful where a set is recorded for this GPU."""
+    if torch.cuda.device_count() == 0:  # pragma: no cover - skipped by the marker
+        pytest.skip("needs CUDA")
+    done = subprocess.run(
+        [sys.executable, "-c", _SHIPPED, precision],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["compiled"] is None:
+        pytest.skip(f"no kernel set recorded for {torch.cuda.get_device_name()}")
+    assert result["failed"] == []
+    assert result["compiled"] >= 10
+    assert result["misses"] == []
