@@ -156,7 +156,7 @@ async def _start(state: ServiceState, evaluators: Sequence[Evaluator] | None) ->
     await engine.start()
     if state.settings.warm_up:
         # Silence of half a minute on a new machine would look like a hang.
-        compiles = " (compiles the GPU kernels unless Triton's cache has them: 15-30 s)"
+        compiles = " (compiles the GPU kernels unless Triton's cache has them: 12-30 s)"
         log.info("warming up on %s%s", devices, compiles if "cuda" in devices else "")
         await engine.warm_up(elements)
     state.provenance = {
