@@ -138,8 +138,8 @@ def record_compiles() -> Iterator[list[KernelSpec]]:
 
 
 def _default_workers() -> int:
-    # About half of a compile holds the GIL (Triton's front end and MLIR passes): past a few
-    # threads more only add memory (H200 host: 16 threads, ~2x faster than one at a time).
+    # About half of a compile holds the GIL (Triton's front end and MLIR passes), so past a few
+    # threads more add memory, not speed (H200 host, 8 threads: 2.1x one at a time).
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
