@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import service.engine.kernel_sets as kernel_sets
 import service.model.potential as potential_module
 from clients.screen import SUMMARY_FILE, ScreenAborted, ScreenOptions, screen
 from service.graph.structures import Structures
@@ -42,7 +43,8 @@ def test_in_process_screen_spreads_over_several_devices(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--device cuda:0,cuda:1`` in process: a model copy per device behind one queue (two
-    fakes stand in for the GPUs); results equal one model's, in input order."""
+    fakes stand in for the GPUs), each with its recorded kernels preloaded; results equal one
+    model's, in input order."""
     lanes: list[PairPotential] = []
 
     def two_devices(spec: str) -> list[torch.device]:
@@ -56,8 +58,10 @@ def test_in_process_screen_spreads_over_several_devices(
     def fake_models(model: Any, *, devices: str) -> list[PairPotential]:
         return [fake_model(model, device=d) for d in potential_module.resolve_devices(devices)]
 
+    preloaded: list[object] = []
     monkeypatch.setattr(potential_module, "resolve_devices", two_devices)
     monkeypatch.setattr(potential_module, "load_potentials", fake_models)
+    monkeypatch.setattr(kernel_sets, "preload_recorded_kernels", preloaded.append)
     frames = [small_molecule("H2O", seed=k) for k in range(24)]
     path = tmp_path / "in.extxyz"
     ase.io.write(path, frames)
@@ -66,6 +70,9 @@ def test_in_process_screen_spreads_over_several_devices(
     report = screen([path], options)
     assert (report.succeeded, report.failed) == (24, 0)
     assert len(lanes) == 2 and all(p.calls for p in lanes)
+    assert (
+        preloaded == lanes
+    )  # each device's recorded kernels compiled once, before the first batch
     as_read = ase.io.read(path, ":")  # the file's rounding of the positions
     expected = PairPotential().predict(Structures.from_atoms(as_read), ("energy",)).energy
     energies = [float(r["energy_eV"]) for r in summary_rows(out)]
