@@ -1,7 +1,7 @@
 """A model's recorded kernel set (``so2kernels.precompile``): which one it is, and compiling it.
 
-The server's warm-up and the in-process calculator compile the set up front, all at once,
-instead of one kernel at a time at each kernel's first launch.
+The server's warm-up, the in-process calculator and an in-process screening run compile the set
+up front, several kernels at a time, instead of one kernel at a time at each first launch.
 """
 
 from __future__ import annotations
@@ -40,10 +40,8 @@ def preload_recorded_kernels(evaluator: Evaluator) -> PreloadReport | None:
         device = torch.device(evaluator.execution.device)
         if device.type != "cuda":
             return None
-        gpu, fingerprint = (
-            torch.cuda.get_device_name(device),
-            kernel_set_fingerprint(evaluator.info()),
-        )
+        gpu = torch.cuda.get_device_name(device)
+        fingerprint = kernel_set_fingerprint(evaluator.info())
         specs = load_kernel_set(gpu, fingerprint)
         if not specs:
             log.info(
