@@ -68,6 +68,20 @@ def test_nothing_is_preloaded_off_cuda() -> None:
     assert preload_recorded_kernels(PairPotential(rcut=6.0, elements=("H", "O"))) is None
 
 
+def _run_fresh(script: str, *args: str, triton_cache: Path | None = None) -> Any:
+    """Run ``script`` in a fresh interpreter (with its own ``TRITON_CACHE_DIR`` if given) and
+    return the JSON of its last stdout line."""
+    env = dict(os.environ)
+    if triton_cache is not None:
+        env["TRITON_CACHE_DIR"] = str(triton_cache)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 _FIRST_REQUESTS = r"""
 import json, sys
 import numpy as np
@@ -115,16 +129,7 @@ print(json.dumps(report))
 def test_first_requests_after_warm_up_compile_nothing(precision: str) -> None:
     if torch.cuda.device_count() == 0:  # pragma: no cover - skipped by the marker
         pytest.skip("needs CUDA")
-    done = subprocess.run(
-        [sys.executable, "-c", _FIRST_REQUESTS, precision],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _run_fresh(_FIRST_REQUESTS, precision)
     compiled = {name: kernels for name, kernels in report.items() if kernels}
     assert not compiled, json.dumps(compiled, indent=1)
 
@@ -191,20 +196,9 @@ def test_recorded_kernels_compile_before_the_warm_up_needs_them(
     if torch.cuda.device_count() == 0:  # pragma: no cover - skipped by the marker
         pytest.skip("needs CUDA")
 
-    def fresh_process(script: str) -> dict[str, Any]:
-        cache = tmp_path / f"triton-cache-{len(list(tmp_path.iterdir()))}"
-        done = subprocess.run(
-            [sys.executable, "-c", script, str(tmp_path), precision],
-            cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-            env={**os.environ, "TRITON_CACHE_DIR": str(cache)},
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-4000:]
-        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-        return result
-
-    recorded = fresh_process(_RECORD)
+    recorded = _run_fresh(_RECORD, str(tmp_path), precision, triton_cache=tmp_path / "cache-0")
     assert recorded["recorded"] >= 10
-    preloaded = fresh_process(_PRELOAD)
+    preloaded = _run_fresh(_PRELOAD, str(tmp_path), precision, triton_cache=tmp_path / "cache-1")
     assert preloaded["specs"] == recorded["recorded"]
     assert preloaded["failed"] == [recorded["broken"]]
     assert preloaded["compiled"] == recorded["recorded"] - 1
@@ -239,13 +233,8 @@ def test_local_calculator_compiles_its_kernels_before_the_first_step(tmp_path: P
     model's recorded kernel set; its first calculation then compiles nothing."""
     if torch.cuda.device_count() == 0:  # pragma: no cover - skipped by the marker
         pytest.skip("needs CUDA")
-    done = subprocess.run(
-        [sys.executable, "-c", _LOCAL_CALCULATOR],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"misses": []}
+    report = _run_fresh(_LOCAL_CALCULATOR, triton_cache=tmp_path / "triton-cache")
+    assert report == {"misses": []}
 
 
 def test_a_failing_preload_leaves_the_kernels_to_their_launch(
@@ -336,13 +325,7 @@ def test_the_shipped_kernel_sets_cover_the_warm_up(precision: str, tmp_path: Pat
     e.g. new tiles, fails here). Only meaningful where a set is recorded for this GPU."""
     if torch.cuda.device_count() == 0:  # pragma: no cover - skipped by the marker
         pytest.skip("needs CUDA")
-    done = subprocess.run(
-        [sys.executable, "-c", _SHIPPED, precision],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _run_fresh(_SHIPPED, precision, triton_cache=tmp_path / "triton-cache")
     if result["compiled"] is None:
         pytest.skip(f"no kernel set recorded for {torch.cuda.get_device_name()}")
     assert result["failed"] == []
