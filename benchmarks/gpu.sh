@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -127,6 +127,11 @@ case "$topic" in
     ;;
   presets-fast)  # small and medium model steps, both tiers, after a tile sweep (~4 min)
     STEP_S=330 run python3 benchmarks/model.py --cases small:192,1536,12288 medium:192,1536,12288 --paths fused-fp16x3 fused --no-agreement --repeats 3
+    ;;
+  replay-memo)  # the search-table memo of replayed steps: its gpu tests, the host-time probe (memo vs rebuilt), then the service (~6 min)
+    STEP_S=150 run python3 -m pytest -q -m gpu tests/model/test_captured.py tests/graph/test_pair_search.py tests/graph/test_sync_free.py
+    STEP_S=120 run python3 benchmarks/replay_host_probe.py --steps 300
+    STEP_S=170 run python3 benchmarks/service.py --device cuda --quick --phases in_process engine http throughput
     ;;
   closing)  # last call of a session (~5.5 min): the service (paired overhead, steady-window crowd), then the gpu tests of the replay, the stack's capture, golden systems and served checkpoints
     STEP_S=170 run python3 benchmarks/service.py --device cuda --quick --phases in_process engine http throughput

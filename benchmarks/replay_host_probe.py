@@ -7,7 +7,10 @@ records the bucket, then over ``--steps`` predicts of one 192-atom water box mea
 
 - the wall time of a step and the time from ``predict`` to the graph launch (medians);
 - a cProfile of the same steps: the functions with the most own time, and the cumulative time of
-  the stages of the replay path (types, search table, staging, copy in, launch, copy out).
+  the stages of the replay path (types, search table, staging, copy in, launch, copy out);
+- the same timed steps with the search table rebuilt every step instead of taken from the
+  potential's :class:`~service.graph.pair_search.ImageWindowMemo`, alternating with the memo
+  (``memo_ab``: what reusing the table of an unchanged cell saves).
 
 Results go to ``benchmarks/results/replay_host_probe_<date>.json``.
 
@@ -33,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.model import bar_config, water_box  # noqa: E402
+from service.graph.pair_search import ImageWindowMemo, image_windows  # noqa: E402
 from service.model.captured import RECORD_AFTER  # noqa: E402
 from service.model.potential import Potential  # noqa: E402
 from tests.model.randomized import randomized_model  # noqa: E402
@@ -93,6 +97,16 @@ def profiled_steps(pot: Potential, steps: int, top: int) -> dict[str, Any]:
     return {"top_own": rows[:top], "stages_cumulative_us": stages}
 
 
+def memo_ab(pot: Potential, steps: int) -> list[dict[str, Any]]:
+    """:func:`timed_steps` with the search table rebuilt each step (``rebuilt``) and memoised
+    (``memo``), alternating twice in this process."""
+    runs = []
+    for variant in ("rebuilt", "memo", "rebuilt", "memo"):
+        pot._search_tables = image_windows if variant == "rebuilt" else ImageWindowMemo()  # type: ignore[assignment]
+        runs.append({"variant": variant, **timed_steps(pot, steps)})
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -119,6 +133,8 @@ def main() -> None:
         "profiled": profiled_steps(pot, args.steps, args.top),
     }
     print(json.dumps(doc["profiled"]["stages_cumulative_us"]))
+    doc["memo_ab"] = memo_ab(pot, args.steps)
+    print(json.dumps(doc["memo_ab"]))
     for row in doc["profiled"]["top_own"][:15]:
         print(f"{row['own_us']:8.1f} us own {row['cumulative_us']:8.1f} cum  {row['function']}")
     out = ROOT / "benchmarks" / "results"

@@ -46,7 +46,7 @@ from service.graph.cell_list import COINCIDENT_DISTANCE
 from service.graph.edge_cache import build_edge_cache
 from service.graph.errors import InvalidStructureError
 from service.graph.neighbors import edge_vectors, place_and_build_graph_carrying, resolve_backend
-from service.graph.pair_search import image_windows
+from service.graph.pair_search import ImageWindowMemo
 from service.graph.segments import csr_segment_sum
 from service.graph.structures import Structures
 from service.model.captured import CapturedSteps, ReplayBatch, StepInputs, StepOutputs
@@ -303,6 +303,8 @@ class Potential:
         self._one_at_a_time: AbstractContextManager[object] = (
             threading.Lock() if capture else nullcontext()
         )
+        # Replayed batches only, which run under the lock above.
+        self._search_tables = ImageWindowMemo()
 
     @property
     def config(self) -> ModelConfig:
@@ -419,7 +421,7 @@ class Potential:
             or not captured.accepts(structures.n_atoms, 0)
         ):
             return None
-        windows = image_windows(
+        windows = self._search_tables(
             structures.cells, structures.pbc, structures.ptr, self.config.rcut,
             COINCIDENT_DISTANCE,
         )  # fmt: skip

@@ -25,6 +25,7 @@ from service.graph.neighbors import (
 )
 from service.graph.pair_search import (
     GPU_TILES,
+    ImageWindowMemo,
     ImageWindows,
     Tiles,
     direct_pairs,
@@ -163,6 +164,45 @@ def test_window_sizes() -> None:
     assert not slab.table[0, 6:9].any()  # no dual vector on the open axis
     alone = windows_of(Structures.from_arrays([by_name["molecule"]]))
     assert alone.single_image and alone.n_candidates == 16**2
+
+
+def test_window_memo_returns_the_table_of_the_same_inputs() -> None:
+    """A repeated batch (MD at a fixed cell) gets its earlier table; another cell, periodicity,
+    atom split or cutoff gets its own, equal to a fresh one; the oldest entries leave first."""
+    memo = ImageWindowMemo(size=2)
+    by_name = dict(GEOMETRIES)
+    base = Structures.from_arrays([by_name["triclinic0"], by_name["thin_cell"]])
+
+    def of(batch: Structures, rcut: float = RCUT) -> ImageWindows:
+        return memo(batch.cells, batch.pbc, batch.ptr, rcut, 1e-4)
+
+    first = of(base)
+    moved = replace(base, positions=base.positions + 0.25)  # positions are not in the table
+    assert of(moved) is first
+    variants = [
+        replace(base, cells=base.cells * 1.01),
+        replace(base, pbc=base.pbc & torch.tensor([True, True, False])),
+        replace(base, ptr=torch.tensor([0, 20, int(base.ptr[-1])])),
+    ]
+    for other in variants:
+        got = of(other)
+        assert got is not first
+        want = windows_of(other)
+        np.testing.assert_array_equal(got.table, want.table)
+        assert (got.n_candidates, got.single_image) == (want.n_candidates, want.single_image)
+    again = of(base)  # three other batches since: evicted, built afresh
+    assert again is not first
+    np.testing.assert_array_equal(again.table, first.table)
+    assert of(base) is again
+    assert of(base, RCUT + 1.0) is not again  # the cutoff is in the key
+
+
+def test_window_memo_keeps_no_refusal() -> None:
+    cell = torch.tensor([[[3.0, 0.0, 0.0], [6.0, 0.0, 0.0], [0.0, 0.0, 4.0]]], dtype=torch.float64)
+    memo = ImageWindowMemo()
+    for _ in range(2):
+        with pytest.raises(InvalidStructureError, match="linearly dependent"):
+            memo(cell, torch.ones(1, 3, dtype=torch.bool), torch.tensor([0, 2]), RCUT, 1e-4)
 
 
 def test_mixed_batch_equals_cell_list_vesin_and_separate_graphs() -> None:
