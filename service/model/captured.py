@@ -17,25 +17,26 @@ the rounding of shape-dependent GEMM blocking (~1e-7 relative).
 Padded edges are spread over the dummy atoms (about ``E/N`` each) so no segment is pathologically
 long.
 
-Host work before a replay. The device idles until the replay starts, so everything the host
-does first is wall time. A host batch (:class:`ReplayBatch`) is keyed by what the host knows
-before the search (:class:`BatchKey`: N_pad, B_pad and the search variant); the key remembers
-the edge bucket of its last batch. A batch whose key has a recorded graph for that bucket is
-*speculatively* replayed (:meth:`CapturedSteps.speculate`): the host pads positions, cells, the
-search table, offsets and types to the bucket (:func:`stage`, NumPy into page-locked memory),
-one copy puts them into the graph's static input buffer (:class:`StaticBatch`, with the real N
-and B: recorded launches cannot take sizes that change within a bucket), and the graph runs the
-direct search (:func:`~service.graph.pair_search.bounded_direct_pairs`, rows beyond N skipped,
+Host work before a replay. The device idles until the replay starts, so everything the host does
+first is wall time. The search table comes from the cells, and the potential reuses it while a
+batch's cells, periodicity and atom offsets repeat (MD, relaxations at a fixed cell:
+:class:`~service.graph.pair_search.ImageWindowMemo`). A host batch (:class:`ReplayBatch`) is keyed
+by what the host knows before the search (:class:`BatchKey`: N_pad, B_pad and the search variant);
+the key remembers the edge bucket of its last batch. A batch whose key has a recorded graph for
+that bucket is *speculatively* replayed (:meth:`CapturedSteps.speculate`): the host pads positions,
+cells, the search table, offsets and types to the bucket (:func:`stage`, NumPy into page-locked
+memory), one copy puts them into the graph's static input buffer (:class:`StaticBatch`, with the
+real N and B: recorded launches cannot take sizes that change within a bucket), and the graph runs
+the direct search (:func:`~service.graph.pair_search.bounded_direct_pairs`, rows beyond N skipped,
 no edge stored beyond E_pad), the padding of the edges and CSR tails (one Triton launch whose
-values equal :func:`pad_inputs`, the eager reference), a stable argsort for the source order,
-and the step. One copy brings back the packed outputs together with the true edge count and
-the coincidence flag. If the edges overflowed the bucket, or a pair is too close, the outputs
-are discarded and the batch takes the search with a host read (:meth:`CapturedSteps.run`: the
-right bucket, which replays the same graph, or the usual ``coincident_atoms`` error); that is
-also how the first batch of a key goes. A replay's outputs are on the host. Parameter changes
-are detected from a cached tensor list (walking the module tree costs hundreds of µs a call);
-replacing a parameter or buffer object anywhere bumps a registration epoch that rebuilds that
-list.
+values equal :func:`pad_inputs`, the eager reference), a stable argsort for the source order, and
+the step. One copy brings back the packed outputs together with the true edge count and the
+coincidence flag. If the edges overflowed the bucket, or a pair is too close, the outputs are
+discarded and the batch takes the search with a host read (:meth:`CapturedSteps.run`: the right
+bucket, which replays the same graph, or the usual ``coincident_atoms`` error); that is also how
+the first batch of a key goes. A replay's outputs are on the host. Parameter changes are detected
+from a cached tensor list (walking the module tree costs hundreds of µs a call); replacing a
+parameter or buffer object anywhere bumps a registration epoch that rebuilds that list.
 
 The recorded graph reads the model's parameters by address: any change to a parameter (in-place
 update, ``load_state_dict``) bumps its version and drops every captured graph. Each graph owns a
