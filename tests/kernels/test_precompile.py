@@ -176,3 +176,43 @@ def test_preloading_compiles_what_is_missing_and_reports_what_failed(
     assert sorted(report.failed) == sorted([specs[2].kernel, specs[3].kernel])
     assert kernel.device_caches[1][0] == {"loaded": "kernel loaded", "new": "kernel new"}
     assert report.seconds >= 0.0
+
+
+def test_processes_compile_only_the_missing_kernels_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = _FakeKernel(failing=set())
+    kernel.device_caches[1][0]["loaded"] = "kernel loaded"
+    monkeypatch.setattr(KernelSpec, "resolve", lambda spec: kernel)
+    monkeypatch.setattr(torch.cuda, "device", lambda *_: contextlib.nullcontext())
+    calls: list[tuple[list[KernelSpec], int, int]] = []
+    monkeypatch.setattr(
+        precompile, "_compile_in_processes", lambda *args: calls.append((list(args[0]), *args[1:]))
+    )
+    specs = [_spec("a", "new"), _spec("b", "loaded")]
+    report = preload_kernels(specs, device=1, workers=2, processes=3)
+    assert calls == [([specs[0]], 1, 3)]
+    assert report.compiled == 2
+
+    calls.clear()
+    monkeypatch.setenv(precompile.PROCESSES_ENV, "0")
+    preload_kernels([_spec("c", "other")], device=1)
+    assert calls == []
+    monkeypatch.setenv(precompile.PROCESSES_ENV, "2")
+    preload_kernels([_spec("d", "more")], device=1)
+    assert calls == [([_spec("d", "more")], 1, 2)]
+    monkeypatch.setenv(precompile.PROCESSES_ENV, "many")  # ignored with a warning
+    assert precompile._default_processes() == 0
+
+
+def test_a_child_sees_the_parent_device_as_its_only_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert precompile._visible_device(3) == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa, GPU-bbbb")
+    assert precompile._visible_device(1) == "GPU-bbbb"
+
+
+def test_a_failing_child_leaves_the_work_to_the_threads(caplog: pytest.LogCaptureFixture) -> None:
+    """A real spawned child: a record it cannot resolve fails there and nothing is raised."""
+    foreign = KernelSpec("json:dumps", "{}")
+    with caplog.at_level(logging.DEBUG, logger="so2kernels.precompile"):
+        precompile._compile_in_processes([foreign], device=0, processes=2)
+    assert "1 of 1 kernels failed to compile in a child" in caplog.text
