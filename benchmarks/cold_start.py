@@ -1,7 +1,6 @@
 """What a fresh server process pays before and on its first requests.
 
-    python3 benchmarks/cold_start.py [--scenarios record fresh-serial fresh-cache fresh-procs
-                                                  warm-cache]
+    python3 benchmarks/cold_start.py [--scenarios record fresh-serial fresh-cache warm-cache]
                                      [--precisions fp32 fp16x3] [--out-dir ...]
 
 Each scenario runs in its own interpreter (cold imports, empty in-process kernel caches) with
@@ -14,8 +13,6 @@ Each scenario runs in its own interpreter (cold imports, empty in-process kernel
 * ``fresh-serial``: empty cache, the warm-up without that preload (each kernel compiles at its
   first launch, one after the other);
 * ``fresh-cache``: empty cache, the server's own warm-up (preload, then the passes);
-* ``fresh-procs``: the same with the preload's compiles in ``--preload-processes`` spawned
-  processes (``SO2KERNELS_PRELOAD_PROCESSES``) before its threads load them;
 * ``warm-cache``: the previous scenario's cache, the server's own warm-up.
 
 The child times, in order: importing torch and the service, loading the shipped default model onto
@@ -147,7 +144,7 @@ def _child(args: argparse.Namespace) -> None:
     fingerprint = kernel_set_fingerprint(potential.info())
     with record_compiles() as recorded:
         worker.warm_up(
-            model_elements(potential.info()), preload=args.scenario in PRELOADING
+            model_elements(potential.info()), preload=args.scenario in ("fresh-cache", "warm-cache")
         )
     step("server warm-up", t0)
     if args.scenario == "record" and device.startswith("cuda"):
@@ -176,8 +173,7 @@ def _child(args: argparse.Namespace) -> None:
     out.write_text(json.dumps(report, indent=1))
 
 
-SCENARIOS = ("record", "fresh-serial", "fresh-cache", "fresh-procs", "warm-cache")
-PRELOADING = ("fresh-cache", "fresh-procs", "warm-cache")
+SCENARIOS = ("record", "fresh-serial", "fresh-cache", "warm-cache")
 
 
 def main() -> None:
@@ -190,7 +186,6 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--device", default="cuda:0", help="cpu: a smoke test of the script")
     parser.add_argument("--label", default="", help="recorded with the results (e.g. a commit)")
-    parser.add_argument("--preload-processes", type=int, default=8, help="for fresh-procs")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--scenario", choices=SCENARIOS, help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
@@ -210,16 +205,12 @@ def main() -> None:
             print(f"{scenario}, {precision} (TRITON_CACHE_DIR={cache})", flush=True)
             result = Path(tempfile.mkstemp(suffix=".json")[1])
             env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
-            if scenario == "fresh-procs":
-                env["SO2KERNELS_PRELOAD_PROCESSES"] = str(args.preload_processes)
             command = [sys.executable, __file__, "--child", str(result), "--scenario", scenario]
             command += ["--precision", precision, "--repeats", str(args.repeats)]
             command += ["--device", args.device, "--workloads", *args.workloads]
             t0 = time.perf_counter()
             subprocess.run(command, env=env, check=True, cwd=ROOT)
             row = {"scenario": scenario, "process_s": round(time.perf_counter() - t0, 2)}
-            if scenario == "fresh-procs":
-                row["preload_processes"] = args.preload_processes
             rows.append({**row, **json.loads(result.read_text())})
     write_results(args.out_dir, "cold_start", rows, label=args.label)
 

@@ -8,12 +8,6 @@ compile (LLVM, ptxas) runs outside the GIL, which makes that ~2x faster. Each co
 lands in its JIT function's in-process cache (and Triton's disk cache) under the key its launch
 computes, so the launch finds it.
 
-With ``processes`` (or ``SO2KERNELS_PRELOAD_PROCESSES``), spawned processes compile the kernels
-first, into Triton's disk cache only, free of this process's GIL; the threads then load them
-from there. Each process imports torch and Triton (a few hundred MB of host memory for the
-seconds it lives) and touches no GPU memory: compiling needs the GPU's architecture, not a
-context.
-
 A record of a kernel whose source changed since is skipped, and one that fails to compile is
 dropped: those kernels compile at their first launch as before. A record that still compiles
 but that no launch asks for any more (its launcher changed, e.g. new tiles) only costs compile
@@ -33,11 +27,10 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import multiprocessing
 import os
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -150,24 +143,8 @@ def _default_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-PROCESSES_ENV = "SO2KERNELS_PRELOAD_PROCESSES"
-"""Environment default of :func:`preload_kernels`' ``processes`` (an integer; unset: 0)."""
-
-
-def _default_processes() -> int:
-    try:
-        return max(0, int(os.environ.get(PROCESSES_ENV, "0")))
-    except ValueError:
-        log.warning("ignoring %s=%r: not an integer", PROCESSES_ENV, os.environ[PROCESSES_ENV])
-        return 0
-
-
 def preload_kernels(
-    specs: Sequence[KernelSpec],
-    *,
-    device: int | None = None,
-    workers: int | None = None,
-    processes: int | None = None,
+    specs: Sequence[KernelSpec], *, device: int | None = None, workers: int | None = None
 ) -> PreloadReport:
     """Compile ``specs`` for CUDA device ``device`` (default: the current one) on ``workers``
     threads (default: the CPUs this process may use, at most 8) and return when all are done.
@@ -175,10 +152,7 @@ def preload_kernels(
     cannot be resolved or compiled is reported in ``failed`` and left to its first launch.
 
     Each thread runs Triton's own synchronous preload, which puts a kernel in the cache only
-    once it has compiled: a launch elsewhere never meets a half-done or failed one. With
-    ``processes`` > 0 (default: ``SO2KERNELS_PRELOAD_PROCESSES``), that many spawned processes
-    compile the missing kernels into Triton's disk cache first (:func:`_compile_in_processes`),
-    and the threads load them from there."""
+    once it has compiled: a launch elsewhere never meets a half-done or failed one."""
     start = time.perf_counter()
     index = torch.cuda.current_device() if device is None else device
     failed: list[str] = []
@@ -208,53 +182,10 @@ def preload_kernels(
             return False
         return True
 
-    n_processes = _default_processes() if processes is None else processes
-    if n_processes > 0 and jobs:
-        _compile_in_processes([spec for spec, _ in jobs], index, n_processes)
     with ThreadPoolExecutor(workers or _default_workers(), "triton-preload") as pool:
         done = list(pool.map(compile_one, jobs))
     failed += [spec.kernel for (spec, _), ok in zip(jobs, done, strict=True) if not ok]
     return PreloadReport(present + sum(done), tuple(failed), time.perf_counter() - start)
-
-
-def _visible_device(index: int) -> str:
-    """What ``CUDA_VISIBLE_DEVICES`` names this process's CUDA device ``index`` by."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return str(index)
-    return visible.split(",")[index].strip()
-
-
-def _show_one_device(visible: str) -> None:
-    # A child sees only the parent's device, as its device 0: the compile asks the current
-    # device for its architecture, and selecting another one would create a CUDA context.
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible
-
-
-def _compile_to_disk(spec: KernelSpec) -> bool:
-    """(In a child.) Compile ``spec`` into Triton's disk cache; False if it failed."""
-    try:
-        spec.resolve().preload(spec.spec)
-    except Exception as exc:
-        log.debug("compiling %s in a child failed: %s", spec.kernel, exc)
-        return False
-    return True
-
-
-def _compile_in_processes(specs: Sequence[KernelSpec], device: int, processes: int) -> None:
-    """Compile ``specs`` in ``processes`` spawned interpreters (the disk cache is their only
-    product). Any failure here, a child's or the pool's, only leaves work to the threads."""
-    context = multiprocessing.get_context("spawn")  # a forked CUDA runtime is unusable
-    try:
-        with ProcessPoolExecutor(
-            min(processes, len(specs)), context, _show_one_device, (_visible_device(device),)
-        ) as pool:
-            done = list(pool.map(_compile_to_disk, specs))
-    except Exception:
-        log.warning("compiling in processes failed; compiling on threads", exc_info=True)
-        return
-    if not all(done):
-        log.debug("%d of %d kernels failed to compile in a child", done.count(False), len(done))
 
 
 # Kernel-set files
