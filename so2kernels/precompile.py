@@ -9,10 +9,12 @@ lands in its JIT function's in-process cache (and Triton's disk cache) under the
 computes, so the launch finds it.
 
 A record of a kernel whose source changed since is skipped, and one that fails to compile is
-dropped: those kernels compile at their first launch as before. A record that still compiles
-but that no launch asks for any more (its launcher changed, e.g. new tiles) only costs compile
-time: re-record after such changes (``benchmarks/cold_start.py --scenarios record``); a gpu
-test checks that the shipped sets cover the server's warm-up.
+dropped: those kernels compile at their first launch as before. Triton's source hash also covers
+the JIT functions a kernel calls and its line number, so an edit above a kernel counts as a
+change. A record that still compiles but that no launch asks for any more (its launcher changed,
+e.g. new tiles) only costs compile time: re-record after such changes
+(``benchmarks/cold_start.py --scenarios record``). A gpu test checks that the shipped sets cover
+the server's warm-up; a CPU test, that they name the current code's kernels.
 
 Kernel sets live in ``so2kernels/tables/<gpu-slug>.kernels.json``, keyed by Triton version
 (the recorded specialisations are in that version's format) and by a workload fingerprint

@@ -50,7 +50,6 @@ table, ``(B, TABLE_WIDTH)``: ``d`` (9, ``d_a`` at columns ``3a..3a+2``), ``c`` (
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,37 +141,6 @@ def image_windows(
         n_candidates=int((sizes * per_atom).sum()),
         single_image=bool((window == 1.0).all()),
     )
-
-
-class ImageWindowMemo:
-    """:func:`image_windows` for the last ``size`` distinct batches, keyed by their bytes.
-
-    An MD run or a relaxation at a fixed cell asks for the same table every step; building it
-    costs ~0.1–0.2 ms of host time (NumPy inverse, norms, windows) before a replayed step can
-    launch, and hashing the inputs a few µs. Callers must not write into a returned table, and
-    serialise their calls (no lock: the replay path already runs one batch at a time).
-    """
-
-    def __init__(self, size: int = 8):
-        self._size = size
-        self._tables: OrderedDict[tuple[object, ...], ImageWindows] = OrderedDict()
-
-    def __call__(
-        self, cells: Tensor, pbc: Tensor, ptr: Tensor, cutoff: float, min_distance: float
-    ) -> ImageWindows:
-        key = (
-            str(cells.dtype), cells.detach().numpy().tobytes(), pbc.numpy().tobytes(),
-            ptr.numpy().tobytes(), cutoff, min_distance,
-        )  # fmt: skip
-        windows = self._tables.get(key)
-        if windows is None:
-            windows = image_windows(cells, pbc, ptr, cutoff, min_distance)
-            self._tables[key] = windows
-            if len(self._tables) > self._size:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(key)
-        return windows
 
 
 def _inverse_frames(cells: Tensor, pbc: Tensor) -> NDArray[np.float64]:
@@ -485,3 +453,34 @@ def bounded_direct_pairs(
     return BoundedPairs(
         dst, src, shifts, edge_batch, rowptr[: n_rows + 1], src_rowptr, rowptr[n_rows:]
     )
+
+
+# Below the kernel on purpose: Triton's hash of a kernel includes its line number, and the shipped
+# kernel sets (so2kernels/tables/*.kernels.json) find kernels by that hash.
+class ImageWindowMemo:
+    """:func:`image_windows` for the last ``size`` distinct batches, keyed by their bytes.
+
+    An MD run or a relaxation at a fixed cell asks for the same table every step; building it
+    costs ~0.1–0.2 ms of host time (NumPy inverse, norms, windows) before a replayed step can
+    launch, and hashing the inputs a few µs. Callers must not write into a returned table, and
+    serialise their calls (no lock: the replay path already runs one batch at a time).
+    """
+
+    def __init__(self, size: int = 8):
+        self._size = size
+        self._tables: dict[tuple[object, ...], ImageWindows] = {}  # oldest first
+
+    def __call__(
+        self, cells: Tensor, pbc: Tensor, ptr: Tensor, cutoff: float, min_distance: float
+    ) -> ImageWindows:
+        key = (
+            str(cells.dtype), cells.detach().numpy().tobytes(), pbc.numpy().tobytes(),
+            ptr.numpy().tobytes(), cutoff, min_distance,
+        )  # fmt: skip
+        windows = self._tables.pop(key, None)
+        if windows is None:
+            windows = image_windows(cells, pbc, ptr, cutoff, min_distance)
+            if len(self._tables) >= self._size:
+                del self._tables[next(iter(self._tables))]
+        self._tables[key] = windows  # now the newest
+        return windows

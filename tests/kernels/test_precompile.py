@@ -1,7 +1,8 @@
 """Recorded kernel sets (``so2kernels.precompile``): recording, the per-GPU files, resolving.
 
 Compiling a recorded set needs a CUDA driver: that half is tested on the GPU
-(``tests/service/test_warm_up.py``), where a server's warm-up preloads its kernels.
+(``tests/service/test_warm_up.py``), where a server's warm-up preloads its kernels. Whether the
+shipped sets still name this code's kernels is tested here.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from so2kernels.precompile import (
     record_compiles,
     save_kernel_set,
 )
+from so2kernels.tiles import TABLES_DIR
+from tests.offline_compile import REPO, run_without_interpreter
 
 DEVICE = "NVIDIA H200"
 
@@ -176,3 +179,60 @@ def test_preloading_compiles_what_is_missing_and_reports_what_failed(
     assert sorted(report.failed) == sorted([specs[2].kernel, specs[3].kernel])
     assert kernel.device_caches[1][0] == {"loaded": "kernel loaded", "new": "kernel new"}
     assert report.seconds >= 0.0
+
+
+# The shipped sets against this code. A kernel-set record names its kernel by Triton's hash of
+# the kernel's source, which also covers the JIT functions it calls and its line number: editing
+# a kernel, or any line above it, leaves the record unused (that kernel compiles at its launch
+# again, and the GPU test of the warm-up fails). Here CI sees it, from the hashes the running
+# Triton gave the code the sets were recorded from.
+
+KERNEL_SET_SOURCES = Path(__file__).with_name("kernel_set_sources.json")
+"""``{triton version: {"module:qualname": hash}}`` for the kernels of the shipped sets, taken
+when they were recorded; a version that recorded the sets itself needs no entry."""
+
+_HASHES = """
+import json, triton
+from so2kernels.precompile import KernelSpec
+from so2kernels.tiles import TABLES_DIR
+names = sorted({e["kernel"] for path in TABLES_DIR.glob("*.kernels.json")
+                for sets in json.loads(path.read_text()).values()
+                for entries in sets.values() for e in entries})
+print(json.dumps({"triton": triton.__version__,
+                  "hashes": {n: KernelSpec(n, "{}").resolve().cache_key for n in names}}))
+"""
+
+
+def current_kernel_hashes() -> tuple[str, dict[str, str]]:
+    """The running Triton's version and its hash of every kernel the shipped sets name (computed
+    outside the interpreter, which has no JIT functions)."""
+    result = json.loads(run_without_interpreter(_HASHES).strip().splitlines()[-1])
+    return result["triton"], result["hashes"]
+
+
+def write_kernel_set_sources() -> None:
+    """After recording the shipped sets on the GPU, with the code they were recorded from:
+    ``python -c "from tests.kernels.test_precompile import write_kernel_set_sources as w; w()"``
+    under each Triton version CI may install."""
+    version, hashes = current_kernel_hashes()
+    known = json.loads(KERNEL_SET_SOURCES.read_text()) if KERNEL_SET_SOURCES.exists() else {}
+    known[version] = hashes
+    KERNEL_SET_SOURCES.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+
+
+def test_the_shipped_kernel_sets_name_this_code() -> None:
+    version, hashes = current_kernel_hashes()
+    recorded: dict[str, str] = {}
+    for path in TABLES_DIR.glob("*.kernels.json"):
+        for entries in json.loads(path.read_text()).get(version, {}).values():
+            recorded.update({e["kernel"]: e["source"] for e in entries})
+    if not recorded:
+        recorded = json.loads(KERNEL_SET_SOURCES.read_text()).get(version, {})
+    if not recorded:
+        pytest.skip(f"no kernel hashes known for Triton {version}")
+    moved = sorted(name for name, key in recorded.items() if hashes.get(name) != key)
+    assert not moved, (
+        f"changed since the shipped kernel sets were recorded: {moved}. Keep the kernel's source "
+        "and line, or re-record the sets on the GPU (benchmarks/cold_start.py --scenarios "
+        f"record) and refresh {KERNEL_SET_SOURCES.relative_to(REPO)}"
+    )
