@@ -194,19 +194,28 @@ when they were recorded; a version that recorded the sets itself needs no entry.
 _HASHES = """
 import json, triton
 from so2kernels.precompile import KernelSpec
-from so2kernels.tiles import TABLES_DIR
-names = sorted({e["kernel"] for path in TABLES_DIR.glob("*.kernels.json")
-                for sets in json.loads(path.read_text()).values()
-                for entries in sets.values() for e in entries})
-print(json.dumps({"triton": triton.__version__,
-                  "hashes": {n: KernelSpec(n, "{}").resolve().cache_key for n in names}}))
+names = json.loads({names!r})
+print(json.dumps({{"triton": triton.__version__,
+                  "hashes": {{n: KernelSpec(n, "{{}}").resolve().cache_key for n in names}}}}))
 """
+
+
+def shipped_records() -> dict[str, dict[str, str]]:
+    """``{triton version: {"module:qualname": hash}}`` of every shipped kernel-set record."""
+    records: dict[str, dict[str, str]] = {}
+    for path in TABLES_DIR.glob("*.kernels.json"):
+        for version, sets in json.loads(path.read_text()).items():
+            for entries in sets.values():
+                records.setdefault(version, {}).update({e["kernel"]: e["source"] for e in entries})
+    return records
 
 
 def current_kernel_hashes() -> tuple[str, dict[str, str]]:
     """The running Triton's version and its hash of every kernel the shipped sets name (computed
     outside the interpreter, which has no JIT functions)."""
-    result = json.loads(run_without_interpreter(_HASHES).strip().splitlines()[-1])
+    names = sorted({name for kernels in shipped_records().values() for name in kernels})
+    script = _HASHES.format(names=json.dumps(names))
+    result = json.loads(run_without_interpreter(script).strip().splitlines()[-1])
     return result["triton"], result["hashes"]
 
 
@@ -222,12 +231,9 @@ def write_kernel_set_sources() -> None:
 
 def test_the_shipped_kernel_sets_name_this_code() -> None:
     version, hashes = current_kernel_hashes()
-    recorded: dict[str, str] = {}
-    for path in TABLES_DIR.glob("*.kernels.json"):
-        for entries in json.loads(path.read_text()).get(version, {}).values():
-            recorded.update({e["kernel"]: e["source"] for e in entries})
-    if not recorded:
-        recorded = json.loads(KERNEL_SET_SOURCES.read_text()).get(version, {})
+    recorded = shipped_records().get(version) or json.loads(KERNEL_SET_SOURCES.read_text()).get(
+        version, {}
+    )
     if not recorded:
         pytest.skip(f"no kernel hashes known for Triton {version}")
     moved = sorted(name for name, key in recorded.items() if hashes.get(name) != key)
