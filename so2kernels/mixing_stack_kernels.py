@@ -667,23 +667,14 @@ def block_fwd_desc_kernel(
             (layer * n_focus + focus32) * WIDTH, pid_n * BLOCK_N, WIDTH, False, False, BLOCK_K,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
-        if FINAL:
-            # The input, product and alpha of a whole final tile spill (sm_90, 64x128 tile);
-            # one column half at a time does not.
-            halves = _column_halves(acc, BLOCK_M, BLOCK_N)
-            half_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-            for h in tl.static_range(2):
-                part_cols = half_cols + h * (BLOCK_N // 2)
-                _block_fwd_epilogue(
-                    halves[h], rows, row_mask, part_cols, part_cols < WIDTH, focus, n_focus,
-                    n_edge, layer, u_ptr, z_ptr, sig_ptr, alpha_ptr, out_ptr, L, FD, M1_BLOCK,
-                    True, APPLY_ALPHA,
-                )  # fmt: skip
-        else:
-            _block_fwd_epilogue(
-                acc, rows, row_mask, cols, col_mask, focus, n_focus, n_edge, layer, u_ptr, z_ptr,
-                sig_ptr, alpha_ptr, out_ptr, L, FD, M1_BLOCK, False, False,
-            )  # fmt: skip
+        # One epilogue over the whole tile, the final layer's too. Split into column halves (fewer
+        # registers live), the final tile miscompiled under Triton 3.7.1 at 64x128x32 with 3 or 4
+        # stages: NaN and wrong values in x_local wherever alpha applied; 3.6.0 and the whole tile
+        # were right, and the whole tile as fast (H200, benchmarks/stack_nonfinite_probe.py).
+        _block_fwd_epilogue(
+            acc, rows, row_mask, cols, col_mask, focus, n_focus, n_edge, layer, u_ptr, z_ptr,
+            sig_ptr, alpha_ptr, out_ptr, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=PER_CALL_ARGS)
