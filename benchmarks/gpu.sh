@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks).
 set -uo pipefail
@@ -16,6 +16,15 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
+# Another Triton than the image's (benchmarks/pack_triton.sh packs it into .gpu_triton/): unpacked
+# once per machine, then first on the path. A call that does not carry it again (the box stays
+# warm for a few seconds only) names the unpacked copy in SO2_TRITON_SITE.
+tsite=${SO2_TRITON_SITE:-}
+if ls .gpu_triton/triton-*.tar.xz >/dev/null 2>&1; then
+  tsite=${tsite:-/tmp/triton_site}
+  [ -d "$tsite/triton" ] || { mkdir -p "$tsite" && tar xJf .gpu_triton/triton-*.tar.xz -C "$tsite"; }
+fi
+[ -n "$tsite" ] && export PYTHONPATH=$tsite:$PYTHONPATH
 log="$out/$topic.log"
 # Each step is time-boxed (STEP_S seconds) and results are packed after every step, so a call
 # that hits the device's wall-clock limit still returns what finished.
@@ -33,6 +42,19 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 case "$topic" in
   tests-kernels)  # every kernel gpu test (run beside tests-rest on a second GPU: gpu_many.sh)
     STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu tests/kernels
+    ;;
+  triton)  # under the packed Triton (.gpu_triton/): every kernel gpu test, then the bars of both fused ops (~7 min)
+    STEP_S=${TESTS_S:-300} run python3 -m pytest -q -m gpu tests/kernels
+    STEP_S=150 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile
+    STEP_S=90 run python3 benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 --no-compile
+    # the fused stack again on the image's own Triton, same machine, for the side-by-side
+    PYTHONPATH=${PYTHONPATH#"$tsite":} STEP_S=120 run python3 benchmarks/kernels_mixing_stack.py \
+      --cases bar --no-compile --profile --only fused_exact fused_fast
+    ;;
+  nonfinite)  # experiment: where the fp16x3 forward wrote NaN under the packed Triton 3.7.1 (final-layer epilogue on column halves, replaced 2026-12-02), per fwd tile and epilogue variant; then the image's Triton (~5 min)
+    STEP_S=240 run python3 benchmarks/stack_nonfinite_probe.py --variants halves barrier explicit
+    PYTHONPATH=${PYTHONPATH#"$tsite":} STEP_S=120 run python3 benchmarks/stack_nonfinite_probe.py \
+      --shipped-only --variants halves barrier explicit
     ;;
   tests-some)  # chosen gpu tests: benchmarks/gpu.sh tests-some PATH_OR_NODEID...
     STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu "$@"
