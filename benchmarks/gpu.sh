@@ -19,10 +19,23 @@ fi
 # Another Triton than the image's (benchmarks/pack_triton.sh packs it into .gpu_triton/): unpacked
 # once per machine, then first on the path. A call that does not carry it again (the box stays
 # warm for a few seconds only) names the unpacked copy in SO2_TRITON_SITE.
+# A pack without its CUDA tools (IMAGE_TOOLS.sha256) gets the image's Triton's, if they are the
+# same builds.
 tsite=${SO2_TRITON_SITE:-}
 if ls .gpu_triton/triton-*.tar.xz >/dev/null 2>&1; then
   tsite=${tsite:-/tmp/triton_site}
-  [ -d "$tsite/triton" ] || { mkdir -p "$tsite" && tar xJf .gpu_triton/triton-*.tar.xz -C "$tsite"; }
+  if [ ! -d "$tsite/triton" ]; then
+    mkdir -p "$tsite" && tar xJf .gpu_triton/triton-*.tar.xz -C "$tsite"
+    tools=$tsite/triton/backends/nvidia/bin
+    if [ -f "$tools/IMAGE_TOOLS.sha256" ]; then
+      image_tools=$(python3 -c 'import os, triton; print(os.path.dirname(triton.__file__))')/backends/nvidia/bin
+      for tool in ptxas nvdisasm cuobjdump; do cp "$image_tools/$tool" "$tools/"; done
+      (cd "$tools" && sha256sum --quiet -c IMAGE_TOOLS.sha256) || {
+        echo "gpu.sh: the image's CUDA tools differ from the packed Triton's: pack it with --keep-tools" >&2
+        rm -rf "$tsite"; exit 1
+      }
+    fi
+  fi
 fi
 [ -n "$tsite" ] && export PYTHONPATH=$tsite:$PYTHONPATH
 log="$out/$topic.log"
