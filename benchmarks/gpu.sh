@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
-# packages the GPU image lacks).
+# packages the GPU image lacks: benchmarks/gpu_wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 topic=${1:?topic}; shift || true
@@ -63,6 +63,9 @@ case "$topic" in
     # the fused stack again on the image's own Triton, same machine, for the side-by-side
     PYTHONPATH=${PYTHONPATH#"$tsite":} STEP_S=120 run python3 benchmarks/kernels_mixing_stack.py \
       --cases bar --no-compile --profile --only fused_exact fused_fast
+    ;;
+  triton-rest)  # under the packed Triton: the graph, model, service, client and training gpu tests (carry .gpu_triton, .whl and .gpu_data: ~58 MiB with the tree)
+    STEP_S=${TESTS_S:-540} run python3 -m pytest -q -m gpu tests/graph tests/model tests/service tests/clients tests/training
     ;;
   nonfinite)  # experiment: where the fp16x3 forward wrote NaN under the packed Triton 3.7.1 (final-layer epilogue on column halves, replaced 2026-12-02), per fwd tile and epilogue variant; then the image's Triton (~5 min)
     STEP_S=240 run python3 benchmarks/stack_nonfinite_probe.py --variants halves barrier explicit
