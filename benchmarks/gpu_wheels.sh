@@ -9,14 +9,16 @@ cd "$(dirname "$0")/.."
 py=${1:-cp312}
 names=(ase vesin pydantic pydantic_core pydantic-settings python-dotenv typing-inspection
   annotated-types fastapi starlette opentelemetry-api uvicorn httptools websockets orjson)
+source benchmarks/gpu_pip.sh
+# One pip call each for the versions and the downloads.
+specs=$(.venv/bin/python -m pip show "${names[@]}" |
+  sed -n 's/^Name: //p; s/^Version: /==/p' | paste -d '' - -)
+if [ "$(wc -l <<<"$specs")" -ne "${#names[@]}" ]; then
+  echo "gpu_wheels.sh: not all of ${names[*]} are installed in .venv" >&2
+  exit 1
+fi
 mkdir -p .whl && rm -f .whl/*.whl
-for name in "${names[@]}"; do
-  version=$(.venv/bin/python -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
-  [ -n "$version" ] || { echo "gpu_wheels.sh: $name is not installed in .venv" >&2; exit 1; }
-  python3 -m pip download -q --no-deps --only-binary=:all: --implementation cp \
-    --python-version "${py#cp}" --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-    -d .whl "$name==$version" 2>&1 | grep -v '^WARNING' || true
-done
+# shellcheck disable=SC2086  # one spec per word
+gpu_pip_download .whl "$py" $specs
 ls .whl | wc -l
 du -sh .whl

@@ -12,9 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:?triton version}; py=${2:-cp312}; keep_tools=${3:-}
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
-python3 -m pip download -q --no-deps --only-binary=:all: --implementation cp \
-  --python-version "${py#cp}" --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$work" "triton==$version"
+source benchmarks/gpu_pip.sh
+gpu_pip_download "$work" "$py" "triton==$version"
 (cd "$work" && unzip -q triton-*.whl && rm triton-*.whl)
 rm -rf "$work"/triton/backends/nvidia/lib/cupti "$work"/triton/_C/libproton.so \
   "$work"/triton/backends/nvidia/bin/ptxas-blackwell "$work"/triton/instrumentation/*.so

@@ -123,7 +123,7 @@ def bad_map(t: torch.Tensor, edge_dim: int, m0: int) -> dict[str, Any]:
         rows=int(rows.numel()),
         first_rows=rows[:16].tolist(),
         last_row=int(rows[-1]),
-        rows_mod_64=torch.bincount(rows % 64, minlength=64).nonzero().flatten().tolist()[:64],
+        rows_mod_64=torch.bincount(rows % 64, minlength=64).nonzero().flatten().tolist(),
         cols=int(cols.numel()),
         cols_m0=int((cols < m0).sum()),
         cols_m1=int((cols >= m0).sum()),
@@ -136,9 +136,9 @@ def run_case(n_edge: int, entry: list[int] | None, table: dict[str, Any]) -> dic
     configs = dict(table["configs"])
     if entry is not None:
         configs[KEY] = entry
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"configs": configs, "meta": {}}, f)
-    os.environ["SO2_STACK_TABLE"] = f.name
+    table_file = Path(tempfile.gettempdir()) / "stack_nonfinite_probe_table.json"
+    table_file.write_text(json.dumps({"configs": configs, "meta": {}}))
+    os.environ["SO2_STACK_TABLE"] = str(table_file)
     msk._load_table.cache_clear()
     ops = make_operands(Case("bar_shape", LMAX, FOCUS_DIM, N_FOCUS, n_edge, N_LAYERS), seed=13)
     m0 = (LMAX + 1) * FOCUS_DIM
