@@ -23,6 +23,22 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+# Shape-named aliases of the ops' operands (all plain tensors; the shapes are the contract above).
+Tensor = torch.Tensor
+FocusRows = Tensor  # (F, E, ROW) focus-major activation
+EdgeRows = Tensor  # (E, F, ROW) edge-major activation or its cotangent
+LayerStack = Tensor  # (NG, F, E, ROW) one focus-major activation per gated layer
+EdgeFocus = Tensor  # (E, F) competition weight
+LayerBlocks = Tensor  # (n, F, M, M) per-layer block weights, (in, out) storage
+GateBlocks = Tensor  # (n-1, F, Cf, LG) per-layer gate projections
+GateWeights = Tensor  # (F, Cf, LG) one layer's gate projection
+NodeFeatures = Tensor  # (N, D, C_wide) packed SO(3) node features
+EdgeNodes = Tensor  # (E,) int64 node per edge, or a CSR order of the edges
+NodeOffsets = Tensor  # (N+1,) int64 CSR row pointers
+EdgeWigner = Tensor  # (E, >=D, >=D) Wigner-D per edge (the leading D x D block is read)
+RadialKernel = Tensor  # (E, L+1, C_wide) at rank 0, else (E, K·R)
+ChannelBasis = Tensor  # (R, C_wide)
+
 SUPPORTED_LMAX = range(1, 7)
 SUPPORTED_FOCUS_DIMS = (32, 64, 96, 128)
 MAX_RANK = 4

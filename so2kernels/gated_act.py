@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from so2kernels._dispatch import launch_device, require_fp32, use_triton
-from so2kernels._layout import check_regime, row_width
+from so2kernels._layout import FocusRows, GateWeights, check_regime, row_width
 from so2kernels.mixing_stack_kernels import (
     StackPrecision,
     TileConfig,
@@ -99,8 +99,8 @@ def _degree_gates(s: Tensor, proj: Tensor) -> Tensor:
 
 
 def gated_act_reference(
-    z: Tensor, gw: Tensor, gwt: Tensor | None, lmax: int, focus_dim: int
-) -> Tensor:
+    z: FocusRows, gw: GateWeights, gwt: Tensor | None, lmax: int, focus_dim: int
+) -> FocusRows:
     """Eager ground truth of :func:`gated_act` (``z (F, E, ROW)``, ``gw (F, Cf, LG)``).
 
     ``gwt`` is only there so the argument list matches the fused op; it is never read.
@@ -279,7 +279,7 @@ def _check_act_operands(op: str, z: Tensor, gw: Tensor, gwt: Tensor, dims: _Dims
 
 
 @torch.library.triton_op("so2kernels::gated_act", mutates_args=())
-def _act_op(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Tensor:
+def _act_op(z: FocusRows, gw: GateWeights, gwt: Tensor, lmax: int, focus_dim: int) -> FocusRows:
     _check_act_operands("gated_act", z, gw, gwt, _Dims(lmax, focus_dim))
     if not use_triton(z, gw, gwt):
         return gated_act_reference(z, gw, gwt, lmax, focus_dim)
@@ -309,8 +309,8 @@ def _check_act_bwd_operands(grad: Tensor, operands: tuple[Any, ...]) -> None:
 
 @torch.library.triton_op("so2kernels::gated_act_bwd", mutates_args=())
 def _act_bwd_op(
-    grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
-) -> tuple[Tensor, Tensor]:
+    grad: FocusRows, z: FocusRows, gw: GateWeights, gwt: Tensor, lmax: int, focus_dim: int
+) -> _Pair:
     _check_act_bwd_operands(grad, (z, gw, gwt, lmax, focus_dim))
     if use_triton(grad, z, gw, gwt):
         check_regime("gated_act_bwd", lmax, focus_dim)
@@ -374,7 +374,7 @@ _act_op.register_autograd(_vjp_act, setup_context=_save_act)
 _act_bwd_op.register_autograd(_vjp_act_bwd, setup_context=_save_act_bwd)
 
 
-def gated_act(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> Tensor:
+def gated_act(z: FocusRows, gw: GateWeights, gwt: Tensor, lmax: int, focus_dim: int) -> FocusRows:
     """``torch.ops.so2kernels.gated_act``: the gated SO(2) activation of one layer.
 
     ``z (F, E, ROW)``, ``gw (F, Cf, LG)``, ``gwt = gw.transpose(1, 2)`` ``(F, LG, Cf)`` →
@@ -387,8 +387,8 @@ def gated_act(z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int) -> 
 
 
 def gated_act_backward(
-    grad: Tensor, z: Tensor, gw: Tensor, gwt: Tensor, lmax: int, focus_dim: int
-) -> tuple[Tensor, Tensor]:
+    grad: FocusRows, z: FocusRows, gw: GateWeights, gwt: Tensor, lmax: int, focus_dim: int
+) -> _Pair:
     """``torch.ops.so2kernels.gated_act_bwd``: ``(grad_z (F, E, ROW), grad_logit (F, E, LG))``."""
     dims = _Dims(int(lmax), int(focus_dim))
     grads: _Pair = _act_bwd_op(grad, z, gw, gwt, *dims)

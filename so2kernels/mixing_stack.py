@@ -40,7 +40,15 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from so2kernels._dispatch import launch_device, require_fp32, use_triton
-from so2kernels._layout import block_widths, check_regime, row_width
+from so2kernels._layout import (
+    EdgeFocus,
+    FocusRows,
+    GateBlocks,
+    LayerBlocks,
+    block_widths,
+    check_regime,
+    row_width,
+)
 from so2kernels.gated_act import gated_act, gated_act_backward, gated_act_reference
 from so2kernels.mixing_stack_backward import mixing_stack_backward, stack_backward_composed
 from so2kernels.mixing_stack_kernels import (
@@ -56,11 +64,6 @@ from so2kernels.mixing_stack_kernels import (
     weight_operands,
 )
 
-# Shape-named aliases of the operands (all plain tensors; see the layout contract above).
-FocusRows = Tensor  # (F, E, ROW) focus-major activation
-EdgeFocus = Tensor  # (E, F) competition weight
-LayerBlocks = Tensor  # (n, F, M, M) per-layer block weights, (in, out) storage
-GateBlocks = Tensor  # (n-1, F, Cf, LG) per-layer gate projections
 StackOutputs = tuple[Tensor, Tensor, Tensor]  # (x_local, z_all, u_final)
 _OPERAND_NAMES = ("u0", "alpha", "w0_all", "w1_all", "gw_all")  # the op's tensor operands
 
@@ -236,11 +239,11 @@ def _mixing_stack_fused(
 
 @torch.library.triton_op("so2kernels::so2_mixing_stack", mutates_args=())
 def _mixing_stack_op(
-    u0: Tensor,
-    alpha: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
+    u0: FocusRows,
+    alpha: EdgeFocus,
+    w0_all: LayerBlocks,
+    w1_all: LayerBlocks,
+    gw_all: GateBlocks,
     lmax: int,
     focus_dim: int,
     apply_alpha: bool,
@@ -343,11 +346,11 @@ _mixing_stack_op.register_autograd(
 
 
 def so2_mixing_stack(
-    u0: Tensor,
-    alpha: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
+    u0: FocusRows,
+    alpha: EdgeFocus,
+    w0_all: LayerBlocks,
+    w1_all: LayerBlocks,
+    gw_all: GateBlocks,
     lmax: int,
     focus_dim: int,
     apply_alpha: bool,

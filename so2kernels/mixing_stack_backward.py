@@ -35,7 +35,16 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from so2kernels._dispatch import launch_device, require_fp32, use_triton
-from so2kernels._layout import block_widths, check_regime
+from so2kernels._layout import (
+    EdgeFocus,
+    EdgeRows,
+    FocusRows,
+    GateBlocks,
+    LayerBlocks,
+    LayerStack,
+    block_widths,
+    check_regime,
+)
 from so2kernels.gated_act import gated_act_backward_reference, gated_act_reference
 from so2kernels.mixing_stack_kernels import (
     ACT_PRESCALE,
@@ -102,17 +111,17 @@ def _scaled_grad(grad_out: Tensor, alpha: Tensor, apply_alpha: bool) -> Tensor:
 
 
 def stack_backward_composed(
-    grad_out: Tensor,
-    x_local: Tensor,
-    z_all: Tensor,
-    u_final: Tensor,
-    alpha: Tensor,
-    u0: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
-    grad_z: Tensor | None,
-    grad_u: Tensor | None,
+    grad_out: EdgeRows,
+    x_local: EdgeRows,
+    z_all: LayerStack,
+    u_final: FocusRows,
+    alpha: EdgeFocus,
+    u0: FocusRows,
+    w0_all: LayerBlocks,
+    w1_all: LayerBlocks,
+    gw_all: GateBlocks,
+    grad_z: LayerStack | None,
+    grad_u: FocusRows | None,
     lmax: int,
     focus_dim: int,
     apply_alpha: bool,
@@ -269,7 +278,7 @@ def _backward_weights(
     )
 
 
-def _weight_grad_buffers(args: StackBwdArgs) -> tuple[Tensor, Tensor, Tensor]:
+def _weight_grad_buffers(args: StackBwdArgs) -> tuple[LayerBlocks, LayerBlocks, GateBlocks]:
     if not args.need_weights:
         return _empty_weight_grads(args.u0)
     return tuple(w.new_empty(w.shape) for w in (args.w0_all, args.w1_all, args.gw_all))  # type: ignore[return-value]
@@ -439,17 +448,17 @@ def _check_bwd_operands(args: StackBwdArgs) -> None:
 
 @torch.library.triton_op("so2kernels::so2_mixing_stack_bwd", mutates_args=())
 def _mixing_stack_bwd_op(
-    grad_out: Tensor,
-    x_local: Tensor,
-    z_all: Tensor,
-    u_final: Tensor,
-    alpha: Tensor,
-    u0: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
-    grad_z: Tensor | None,
-    grad_u: Tensor | None,
+    grad_out: EdgeRows,
+    x_local: EdgeRows,
+    z_all: LayerStack,
+    u_final: FocusRows,
+    alpha: EdgeFocus,
+    u0: FocusRows,
+    w0_all: LayerBlocks,
+    w1_all: LayerBlocks,
+    gw_all: GateBlocks,
+    grad_z: LayerStack | None,
+    grad_u: FocusRows | None,
     lmax: int,
     focus_dim: int,
     apply_alpha: bool,
@@ -510,17 +519,17 @@ def _mixing_stack_bwd_fake(*operands: Any) -> StackGrads:
 
 
 def mixing_stack_backward(
-    grad_out: Tensor,
-    x_local: Tensor,
-    z_all: Tensor,
-    u_final: Tensor,
-    alpha: Tensor,
-    u0: Tensor,
-    w0_all: Tensor,
-    w1_all: Tensor,
-    gw_all: Tensor,
-    grad_z: Tensor | None,
-    grad_u: Tensor | None,
+    grad_out: EdgeRows,
+    x_local: EdgeRows,
+    z_all: LayerStack,
+    u_final: FocusRows,
+    alpha: EdgeFocus,
+    u0: FocusRows,
+    w0_all: LayerBlocks,
+    w1_all: LayerBlocks,
+    gw_all: GateBlocks,
+    grad_z: LayerStack | None,
+    grad_u: FocusRows | None,
     lmax: int,
     focus_dim: int,
     apply_alpha: bool,

@@ -13,14 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from so2kernels.mixing_stack import (
-    EdgeFocus,
-    FocusRows,
-    GateBlocks,
-    LayerBlocks,
-    mixing_stack_reference,
-    so2_mixing_stack,
-)
+from so2kernels._layout import EdgeFocus, FocusRows, GateBlocks, LayerBlocks
+from so2kernels.mixing_stack import mixing_stack_reference, so2_mixing_stack
 from so2kernels.mixing_stack_kernels import StackPrecision
 
 __all__ = ["StackError", "measure_stack_error", "normwise_rel_error"]

@@ -461,6 +461,18 @@ def _rotate_mix_fwd_kernel(
         tl.store(dest + k * FD, mixed[k], mask=mask2d)
 
 
+# The layout contract's shape-named operand aliases, imported below the kernels: Triton keys a
+# compiled kernel on its source line, and the shipped kernel sets name those keys.
+from so2kernels._layout import (  # noqa: E402
+    ChannelBasis,
+    EdgeNodes,
+    EdgeWigner,
+    FocusRows,
+    NodeFeatures,
+    NodeOffsets,
+    RadialKernel,
+)
+
 # Launcher
 
 
@@ -481,9 +493,9 @@ def kernel_operands(
 
 
 def launch_rotate_mix_fwd(
-    x: Tensor, src: Tensor, wigner: Tensor, kernel: Tensor, basis: Tensor,
-    lmax: int, n_focus: int, rank: int, tiles: LaunchTiles,
-) -> Tensor:  # fmt: skip
+    x: NodeFeatures, src: EdgeNodes, wigner: EdgeWigner, kernel: RadialKernel,
+    basis: ChannelBasis, lmax: int, n_focus: int, rank: int, tiles: LaunchTiles,
+) -> FocusRows:  # fmt: skip
     """Run the forward kernel with explicit tiles (the op picks them from the table).
 
     ``kernel``/``basis`` are the op's ``kc``/``cb`` operands.
@@ -511,17 +523,17 @@ def launch_rotate_mix_fwd(
 
 @triton_op("so2kernels::so2_rotate_mix", mutates_args=())
 def _rotate_mix_op(
-    x: Tensor,
-    src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
+    x: NodeFeatures,
+    src: EdgeNodes,
+    src_order: EdgeNodes,
+    src_rowptr: NodeOffsets,
+    wigner: EdgeWigner,
+    kc: RadialKernel,
+    cb: ChannelBasis,
     lmax: int,
     n_focus: int,
     rank: int,
-) -> Tensor:
+) -> FocusRows:
     ops = RotateMixOperands(
         x=x, src=src, src_order=src_order, src_rowptr=src_rowptr, wigner=wigner,
         kc=kc, cb=placed_basis(cb, x, rank), lmax=lmax, n_focus=n_focus, rank=rank,
@@ -546,17 +558,17 @@ def _rotate_mix_fake(*operands: Any) -> Tensor:
 
 
 def rotate_mix(
-    x: Tensor,
-    src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
+    x: NodeFeatures,
+    src: EdgeNodes,
+    src_order: EdgeNodes,
+    src_rowptr: NodeOffsets,
+    wigner: EdgeWigner,
+    kc: RadialKernel,
+    cb: ChannelBasis,
     lmax: int,
     n_focus: int,
     rank: int,
-) -> Tensor:
+) -> FocusRows:
     """``torch.ops.so2kernels.so2_rotate_mix``: (F, E, ROW); see the module docstring.
 
     Raises:

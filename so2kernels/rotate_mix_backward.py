@@ -575,6 +575,18 @@ def launch_rotate_mix_bwd(
     return grad_x, grad_wigner, grad_kc, grad_cb
 
 
+# The layout contract's shape-named operand aliases, imported below the kernels: Triton keys a
+# compiled kernel on its source line, and the shipped kernel sets name those keys.
+from so2kernels._layout import (  # noqa: E402
+    ChannelBasis,
+    EdgeNodes,
+    EdgeWigner,
+    FocusRows,
+    NodeFeatures,
+    NodeOffsets,
+    RadialKernel,
+)
+
 # Op registration: the backward op, its second order, and the forward op's autograd.
 
 
@@ -597,14 +609,14 @@ def _validate_bwd(
 
 @triton_op("so2kernels::so2_rotate_mix_bwd", mutates_args=())
 def _rotate_mix_bwd_op(
-    grad_u: Tensor,
-    x: Tensor,
-    src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
+    grad_u: FocusRows,
+    x: NodeFeatures,
+    src: EdgeNodes,
+    src_order: EdgeNodes,
+    src_rowptr: NodeOffsets,
+    wigner: EdgeWigner,
+    kc: RadialKernel,
+    cb: ChannelBasis,
     lmax: int,
     n_focus: int,
     rank: int,
@@ -718,14 +730,14 @@ _rotate_mix_bwd_op.register_autograd(_rotate_mix_bwd_vjp, setup_context=_save_ro
 
 
 def rotate_mix_backward(
-    grad_u: Tensor,
-    x: Tensor,
-    src: Tensor,
-    src_order: Tensor,
-    src_rowptr: Tensor,
-    wigner: Tensor,
-    kc: Tensor,
-    cb: Tensor,
+    grad_u: FocusRows,
+    x: NodeFeatures,
+    src: EdgeNodes,
+    src_order: EdgeNodes,
+    src_rowptr: NodeOffsets,
+    wigner: EdgeWigner,
+    kc: RadialKernel,
+    cb: ChannelBasis,
     lmax: int,
     n_focus: int,
     rank: int,
