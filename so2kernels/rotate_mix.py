@@ -575,7 +575,7 @@ def rotate_mix(
         ValueError: operand shapes disagree, or (fused path) lmax/focus_dim outside the regime.
         UnsupportedInputError: the fused path got a non-float32 operand.
     """
-    out: Tensor = torch.ops.so2kernels.so2_rotate_mix(
+    out: FocusRows = torch.ops.so2kernels.so2_rotate_mix(
         x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank
     )
     return out

@@ -587,6 +587,9 @@ from so2kernels._layout import (  # noqa: E402
     RadialKernel,
 )
 
+RotateMixGrads = tuple[NodeFeatures, EdgeWigner, RadialKernel, ChannelBasis]
+"""``(grad_x, grad_wigner, grad_kc, grad_cb)`` of the rotate-mix backward."""
+
 # Op registration: the backward op, its second order, and the forward op's autograd.
 
 
@@ -621,7 +624,7 @@ def _rotate_mix_bwd_op(
     n_focus: int,
     rank: int,
     want_cb: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> RotateMixGrads:
     graph = (src, src_order, src_rowptr)
     floats = (wigner, kc, placed_basis(cb, x, rank))
     shape = (lmax, n_focus, rank)
@@ -636,7 +639,7 @@ def _rotate_mix_bwd_op(
 
 
 @_rotate_mix_bwd_op.register_fake
-def _rotate_mix_bwd_fake(grad_u: Tensor, *operands: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _rotate_mix_bwd_fake(grad_u: Tensor, *operands: Any) -> RotateMixGrads:
     # operands: the ten forward operands, then want_cb.
     feats, rot, kern, basis = operands[0], operands[4], operands[5], operands[6]
     *shape, want_cb = operands[7:]
@@ -742,10 +745,10 @@ def rotate_mix_backward(
     n_focus: int,
     rank: int,
     want_cb: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> RotateMixGrads:
     """``torch.ops.so2kernels.so2_rotate_mix_bwd``: (grad_x, grad_wigner, grad_kc, grad_cb)."""
     graph = (src, src_order, src_rowptr)
-    out: tuple[Tensor, Tensor, Tensor, Tensor] = torch.ops.so2kernels.so2_rotate_mix_bwd(
+    out: RotateMixGrads = torch.ops.so2kernels.so2_rotate_mix_bwd(
         grad_u, x, *graph, wigner, kc, cb, lmax, n_focus, rank, want_cb
     )
     return out
