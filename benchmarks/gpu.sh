@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks: benchmarks/gpu_wheels.sh).
 set -uo pipefail
@@ -19,8 +19,9 @@ fi
 # Another Triton than the image's (benchmarks/pack_triton.sh packs it into .gpu_triton/): unpacked
 # once per machine, then first on the path. A call that does not carry it again (the box stays
 # warm for a few seconds only) names the unpacked copy in SO2_TRITON_SITE.
-# A pack without its CUDA tools (IMAGE_TOOLS.sha256) gets the image's Triton's, if they are the
-# same builds.
+# A pack without its CUDA tools (IMAGE_TOOLS.sha256) gets the image's Triton's. ptxas must be the
+# same build (it compiles every kernel); nvdisasm and cuobjdump only disassemble, and the image's
+# differ from 3.7.1's (H200 box, 2026-12-02), so they are taken as they are.
 tsite=${SO2_TRITON_SITE:-}
 if ls .gpu_triton/triton-*.tar.xz >/dev/null 2>&1; then
   tsite=${tsite:-/tmp/triton_site}
@@ -30,8 +31,8 @@ if ls .gpu_triton/triton-*.tar.xz >/dev/null 2>&1; then
     if [ -f "$tools/IMAGE_TOOLS.sha256" ]; then
       image_tools=$(python3 -c 'import os, triton; print(os.path.dirname(triton.__file__))')/backends/nvidia/bin
       for tool in ptxas nvdisasm cuobjdump; do cp "$image_tools/$tool" "$tools/"; done
-      (cd "$tools" && sha256sum --quiet -c IMAGE_TOOLS.sha256) || {
-        echo "gpu.sh: the image's CUDA tools differ from the packed Triton's: pack it with --keep-tools" >&2
+      (cd "$tools" && grep ' ptxas$' IMAGE_TOOLS.sha256 | sha256sum --quiet -c -) || {
+        echo "gpu.sh: the image's ptxas differs from the packed Triton's: pack it with --keep-tools" >&2
         rm -rf "$tsite"; exit 1
       }
     fi
@@ -63,6 +64,17 @@ case "$topic" in
     # the fused stack again on the image's own Triton, same machine, for the side-by-side
     PYTHONPATH=${PYTHONPATH#"$tsite":} STEP_S=120 run python3 benchmarks/kernels_mixing_stack.py \
       --cases bar --no-compile --profile --only fused_exact fused_fast
+    ;;
+  alpha-grad)  # after the alpha gradient moved into the final residual GEMMs: the stack's gpu tests, its bar (both tiers), the kernel sets re-recorded and checked (~8 min)
+    STEP_S=150 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py
+    STEP_S=170 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile
+    STEP_S=${COLD_S:-150} run python3 benchmarks/cold_start.py --scenarios record --precisions fp32 fp16x3 --workloads water-192 --repeats 1
+    STEP_S=120 run python3 -m pytest -q -m gpu tests/service/test_warm_up.py -k "cover_the_warm_up or local_calculator_compiles"
+    ;;
+  triton-sets)  # under the packed Triton: its kernel sets recorded, their cover checked, the stack's gpu tests (~6 min)
+    STEP_S=${COLD_S:-150} run python3 benchmarks/cold_start.py --scenarios record --precisions fp32 fp16x3 --workloads water-192 --repeats 1
+    STEP_S=120 run python3 -m pytest -q -m gpu tests/service/test_warm_up.py -k "cover_the_warm_up or local_calculator_compiles"
+    STEP_S=150 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py
     ;;
   triton-rest)  # under the packed Triton: the graph, model, service, client and training gpu tests (carry .gpu_triton, .whl and .gpu_data: ~58 MiB with the tree)
     STEP_S=${TESTS_S:-540} run python3 -m pytest -q -m gpu tests/graph tests/model tests/service tests/clients tests/training

@@ -8,8 +8,8 @@ the ``[m=-1 | m=+1]`` block). Weights are stacked per layer in (in, out) storage
 * ``w0_all (n, F, M0, M0)``: m=0 block of every layer (cross-degree mixing allowed);
 * ``w1_all (n, F, M1, M1)``: the assembled ``[[W_u, W_v], [-W_v, W_u]]`` |m|=1 block;
 * ``gw_all (n-1, F, Cf, LG)``: gate projections of the ``n-1`` gated layers (``LG = L·Cf``);
-* ``alpha (E, F)``: focus-competition weight, strictly positive (``≥ 0.02/F``), used only when
-  ``apply_alpha``.
+* ``alpha (E, F)``: focus-competition weight (the model's is ``≥ 0.02/F``; any value, 0
+  included, is differentiated right), used only when ``apply_alpha``.
 
 Semantics, per focus stream ``f`` (every layer has its own weights per focus)::
 
@@ -281,8 +281,9 @@ def _mixing_stack_setup_context(
     inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool, str],
     output: tuple[Tensor, Tensor, Tensor],
 ) -> None:
-    # Saved order: the five tensor operands, then (x_local, z_all, u_final).
-    ctx.save_for_backward(*inputs[:5], *output)
+    # Saved order: the five tensor operands, then (z_all, u_final); the backward never reads
+    # x_local, so it is not kept alive for it.
+    ctx.save_for_backward(*inputs[:5], *output[1:])
     ctx.lmax, ctx.focus_dim, ctx.apply_alpha, ctx.precision = inputs[5:]
     # Cotangents of z_all / u_final are mostly absent: leave them None rather than zero-filled.
     ctx.set_materialize_grads(False)
@@ -295,13 +296,16 @@ def _mixing_stack_backward(
     grad_u: Tensor | None,
 ) -> tuple[Tensor | None, ...]:
     """Fused first order; the composed closed form when the backward itself is differentiated."""
-    u0, alpha, w0_all, w1_all, gw_all, x_local, z_all, u_final = ctx.saved_tensors
+    u0, alpha, w0_all, w1_all, gw_all, z_all, u_final = ctx.saved_tensors
     lmax, focus_dim = ctx.lmax, ctx.focus_dim
     apply_alpha = ctx.apply_alpha
     needs = ctx.needs_input_grad
     if grad_out is None and grad_z is None and grad_u is None:
         return (None,) * 9
-    grad_out = torch.zeros_like(x_local) if grad_out is None else grad_out.contiguous()
+    if grad_out is None:
+        grad_out = u0.new_zeros((u0.shape[1], u0.shape[0], u0.shape[2]))
+    else:
+        grad_out = grad_out.contiguous()
     need_weights = any(needs[2:5])
     if torch.is_grad_enabled():
         # create_graph: compose registered ops and bmm so that a force loss can differentiate
@@ -318,12 +322,12 @@ def _mixing_stack_backward(
             return gated_act_backward(cot, pre, proj, proj_t.contiguous(), lmax, focus_dim)
 
         grads = stack_backward_composed(
-            grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+            grad_out, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
             lmax, focus_dim, apply_alpha, need_weights, act, act_bwd,
         )  # fmt: skip
     else:
         grads = mixing_stack_backward(
-            grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+            grad_out, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
             lmax, focus_dim, apply_alpha, need_weights, ctx.precision,
         )  # fmt: skip
     grad_u0, grad_alpha, grad_w0, grad_w1, grad_gw = grads

@@ -4,8 +4,9 @@ The stack is ``u_{k+1} = u_k + act(z_k)``, ``z_k = [u_k,m0 W0_k | u_k,m1 W1_k]``
 layers, then ``out = u + [u_m0 W0_last | u_m1 W1_last]`` and ``x_local = alpha·out``. Its
 vector-Jacobian product walks the layers backwards:
 
-* final layer: ``gz = alpha·grad`` (focus-major), ``g = gz + gz Wᵀ``; ``grad_alpha = Σ grad·out =
-  Σ grad·x_local / alpha`` (exact, alpha only scales and is ≥ 0.02/F);
+* final layer: ``h = grad + grad Wᵀ`` (focus-major), ``g = alpha·h``; ``grad_alpha = Σ grad·out =
+  Σ u_final·h`` (the transpose moved onto the cotangent; never divided by alpha, so an edge whose
+  alpha is 0 gets its gradient too);
 * gated layer ``k``: ``(gz_k, q_k) = gated_act_bwd(g, z_k)``, then ``g ← g + gz_k Wᵀ``;
 * weights: ``∂W_k = u_kᵀ gz_k``, ``∂Wg_k = s_kᵀ q_k`` (``s_k`` the scalar rows of ``z_k``), with
   layer inputs recovered as ``u_k = u_{k+1} - act(z_k)`` from ``u_final`` (``u_0`` is the
@@ -98,13 +99,6 @@ def _empty_weight_grads(like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return like.new_empty(0), like.new_empty(0), like.new_empty(0)
 
 
-def _grad_alpha(grad_out: Tensor, x_local: Tensor, alpha: Tensor, apply_alpha: bool) -> Tensor:
-    """``Σ_c grad·out = Σ_c grad·x_local / alpha`` per (edge, focus), ``(E, F)``."""
-    if not apply_alpha:
-        return torch.zeros_like(alpha)
-    return (grad_out * x_local).sum(-1) / alpha
-
-
 def _scaled_grad(grad_out: Tensor, alpha: Tensor, apply_alpha: bool) -> Tensor:
     """Cotangent of the final layer's output before the alpha scale; edge first, ``(E, F, ROW)``."""
     return grad_out * alpha.unsqueeze(-1) if apply_alpha else grad_out
@@ -112,7 +106,6 @@ def _scaled_grad(grad_out: Tensor, alpha: Tensor, apply_alpha: bool) -> Tensor:
 
 def stack_backward_composed(
     grad_out: EdgeRows,
-    x_local: EdgeRows,
     z_all: LayerStack,
     u_final: FocusRows,
     alpha: EdgeFocus,
@@ -137,15 +130,20 @@ def stack_backward_composed(
     """
     m0 = block_widths(lmax, focus_dim)[0]
     n_gated = z_all.shape[0]
-    grad_alpha = _grad_alpha(grad_out, x_local, alpha, apply_alpha)
-    gz = _scaled_grad(grad_out, alpha, apply_alpha).transpose(0, 1)
-    g = gz + _block_linear_t(gz, w0_all[n_gated], w1_all[n_gated], m0)
+    grad_t = grad_out.transpose(0, 1)
+    g = grad_t + _block_linear_t(grad_t, w0_all[n_gated], w1_all[n_gated], m0)
+    if apply_alpha:
+        grad_alpha = (u_final * g).sum(-1).T
+        g = g * alpha.T.unsqueeze(-1)
+    else:
+        grad_alpha = torch.zeros_like(alpha)
     if grad_u is not None:
         g = g + grad_u
     grads_w0: list[Tensor] = []
     grads_w1: list[Tensor] = []
     grads_gw: list[Tensor] = []
     if need_weights:
+        gz = _scaled_grad(grad_out, alpha, apply_alpha).transpose(0, 1)
         gw0, gw1 = _block_weight_grads(u_final, gz, m0)
         grads_w0.append(gw0)
         grads_w1.append(gw1)
@@ -175,7 +173,6 @@ class StackBwdArgs(NamedTuple):
     """Operands of the stack backward, in the op's order (without the precision tier)."""
 
     grad_out: Tensor
-    x_local: Tensor
     z_all: Tensor
     u_final: Tensor
     alpha: Tensor
@@ -240,7 +237,7 @@ class _Launcher:
     ) -> None:
         """One fast-tier residual GEMM of :func:`block_bwd_desc_kernel` over a ``width``-wide
         block: A is ``a`` through ``describe(a, block_m, block_k)``; ``pointers`` = (output
-        cotangent, g_out, alpha, x_local, partials, g_in)."""
+        cotangent, g_out, alpha, u_final, partials, g_in)."""
         if self.n_edge == 0:
             return  # a tensor descriptor cannot describe an empty tensor
         cfg = self.cfg
@@ -284,11 +281,19 @@ def _weight_grad_buffers(args: StackBwdArgs) -> tuple[LayerBlocks, LayerBlocks, 
     return tuple(w.new_empty(w.shape) for w in (args.w0_all, args.w1_all, args.gw_all))  # type: ignore[return-value]
 
 
+def _alpha_partials(args: StackBwdArgs, n_slots: int, stand_in: Tensor) -> Tensor:
+    """``(E, F, n_slots)`` buffer for the final layer's per-column-tile shares of the alpha
+    gradient; without alpha there are none, and ``stand_in`` fills the unused pointer."""
+    if not args.apply_alpha:
+        return stand_in
+    return args.alpha.new_empty((*args.alpha.shape, n_slots))
+
+
 def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
     """Exact-tier traversal (IEEE fp32 dots). Per gated layer: gate backward, scalar backward,
     two residual GEMMs. Inputs contiguous fp32; activations and cotangents focus first."""
     # The weights themselves are read through _backward_weights.
-    (grad_out, x_local, z_all, u_final, alpha, u0, *_weights, grad_z, grad_u,
+    (grad_out, z_all, u_final, alpha, u0, *_weights, grad_z, grad_u,
      lmax, focus_dim, apply_alpha, need_weights) = args  # fmt: skip
     n_gated, n_focus, n_edge, _ = z_all.shape
     m0, m1, gate_width = block_widths(lmax, focus_dim)
@@ -298,13 +303,14 @@ def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
     scalar_run = _Launcher.of("gate", args, precision)
     w0t, w1t, gws, gwts = _backward_weights(args, precision)
 
-    grad_alpha = _grad_alpha(grad_out, x_local, alpha, apply_alpha)
     g = torch.empty_like(u_final)
+    partials = _alpha_partials(args, run.slots(m0, m1), g)
     for is_m1, (wt, _), width in ((False, w0t, m0), (True, w1t, m1)):
         wrap_triton(block_bwd_kernel)[run.grid(width)](
-            grad_out, wt, g, alpha, g, n_edge, n_gated,
-            M1_BLOCK=is_m1, FINAL=True, APPLY_ALPHA=apply_alpha, **run.meta_no_fast,
+            grad_out, wt, g, alpha, u_final, partials, g, n_edge, n_gated, M1_BLOCK=is_m1,
+            FINAL=True, APPLY_ALPHA=apply_alpha, ALPHA_PARTIALS=apply_alpha, **run.meta_no_fast,
         )  # fmt: skip
+    grad_alpha = partials.sum(-1) if apply_alpha else torch.zeros_like(alpha)
     if grad_u is not None:
         g += grad_u
 
@@ -335,8 +341,8 @@ def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
             u_above = u_in
         for is_m1, (wt, _), width in ((False, w0t, m0), (True, w1t, m1)):
             wrap_triton(block_bwd_kernel)[run.grid(width)](
-                gz, wt, g, alpha, g_next, n_edge, layer,
-                M1_BLOCK=is_m1, FINAL=False, APPLY_ALPHA=False, **run.meta_no_fast,
+                gz, wt, g, alpha, g, g, g_next, n_edge, layer, M1_BLOCK=is_m1, FINAL=False,
+                APPLY_ALPHA=False, ALPHA_PARTIALS=False, **run.meta_no_fast,
             )  # fmt: skip
         g, g_next = g_next, g
     return g, grad_alpha, grads_w0, grads_w1, grads_gw
@@ -346,8 +352,8 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     """Fast-tier (fp16x3) traversal; same inputs and results as :func:`_stack_backward_exact`.
 
     Final layer: both residual GEMMs read the edge-major output cotangent and split it in
-    registers; they also leave per-tile shares of ``Σ grad·x_local``, so the alpha gradient costs
-    one extra read of ``x_local`` instead of an ATen product and reduction over two full
+    registers; they also leave per-tile shares of ``Σ grad·out``, so the alpha gradient costs
+    one extra read of ``u_final`` instead of an ATen product and reduction over two full
     activations. Gated layer: the gate and scalar kernels add any ``z_all`` cotangent and store
     ``gz`` already split into fp16 head/tail planes (the bytes of one fp32 copy, exactly the
     split the GEMM would make), so the two residual GEMMs feed those planes to the tensor cores
@@ -355,7 +361,7 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     runs :func:`block_bwd_desc_kernel` (persistent, operands through tensor descriptors).
     """
     # The weights themselves are read through _backward_weights.
-    (grad_out, x_local, z_all, u_final, alpha, u0, *_weights, grad_z, grad_u,
+    (grad_out, z_all, u_final, alpha, u0, *_weights, grad_z, grad_u,
      lmax, focus_dim, apply_alpha, need_weights) = args  # fmt: skip
     n_gated, n_focus, n_edge, _ = z_all.shape
     m0, m1, gate_width = block_widths(lmax, focus_dim)
@@ -367,16 +373,15 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
     w0t, w1t, gws, gwts = _backward_weights(args, precision)
 
     g = torch.empty_like(u_final)
-    # Without alpha there are no partials; g stands in for the unused pointer.
-    partials = x_local.new_empty((n_edge, n_focus, final_run.slots(m0, m1))) if apply_alpha else g
+    partials = _alpha_partials(args, final_run.slots(m0, m1), g)
     for is_m1, weights, width in ((False, w0t, m0), (True, w1t, m1)):
         final_run.residual(
             edge_major_descriptor, grad_out, weights, width, n_gated,
-            (grad_out, g, alpha, x_local, partials, g),
+            (grad_out, g, alpha, u_final, partials, g),
             {"M1_BLOCK": is_m1, "FINAL": True, "APPLY_ALPHA": apply_alpha,
              "ALPHA_PARTIALS": apply_alpha},
         )  # fmt: skip
-    grad_alpha = partials.sum(-1) / alpha if apply_alpha else torch.zeros_like(alpha)
+    grad_alpha = partials.sum(-1) if apply_alpha else torch.zeros_like(alpha)
     if grad_u is not None:
         g += grad_u
 
@@ -434,7 +439,7 @@ def _check_bwd_operands(args: StackBwdArgs) -> None:
     edge_major, focus_major = (n_edge, n_focus, row), (n_focus, n_edge, row)
     stacked = (args.gw_all.shape[0], *focus_major)
     expected = {
-        "grad_out": (args.grad_out, edge_major), "x_local": (args.x_local, edge_major),
+        "grad_out": (args.grad_out, edge_major),
         "z_all": (args.z_all, stacked), "grad_z": (args.grad_z, stacked),
         "u_final": (args.u_final, focus_major), "grad_u": (args.grad_u, focus_major),
     }  # fmt: skip
@@ -449,7 +454,6 @@ def _check_bwd_operands(args: StackBwdArgs) -> None:
 @torch.library.triton_op("so2kernels::so2_mixing_stack_bwd", mutates_args=())
 def _mixing_stack_bwd_op(
     grad_out: EdgeRows,
-    x_local: EdgeRows,
     z_all: LayerStack,
     u_final: FocusRows,
     alpha: EdgeFocus,
@@ -467,13 +471,13 @@ def _mixing_stack_bwd_op(
 ) -> StackGrads:
     tier = StackPrecision.parse(precision)
     given = StackBwdArgs(
-        grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+        grad_out, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
         lmax, focus_dim, apply_alpha, need_weights,
     )  # fmt: skip
     _check_bwd_operands(given)
     name = "so2_mixing_stack_bwd"
     named = {
-        "grad_out": grad_out, "x_local": x_local, "z_all": z_all, "u_final": u_final,
+        "grad_out": grad_out, "z_all": z_all, "u_final": u_final,
         "alpha": alpha, "u0": u0, "w0_all": w0_all, "w1_all": w1_all, "gw_all": gw_all,
         **({} if grad_z is None else {"grad_z": grad_z}),
         **({} if grad_u is None else {"grad_u": grad_u}),
@@ -489,7 +493,7 @@ def _mixing_stack_bwd_op(
         return t.contiguous()
 
     contiguous = StackBwdArgs(
-        packed(grad_out), packed(x_local), packed(z_all), packed(u_final), packed(alpha),
+        packed(grad_out), packed(z_all), packed(u_final), packed(alpha),
         packed(u0), packed(w0_all), packed(w1_all), packed(gw_all),
         None if grad_z is None else packed(grad_z),
         None if grad_u is None else packed(grad_u),
@@ -520,7 +524,6 @@ def _mixing_stack_bwd_fake(*operands: Any) -> StackGrads:
 
 def mixing_stack_backward(
     grad_out: EdgeRows,
-    x_local: EdgeRows,
     z_all: LayerStack,
     u_final: FocusRows,
     alpha: EdgeFocus,
@@ -538,7 +541,7 @@ def mixing_stack_backward(
 ) -> StackGrads:
     """``torch.ops.so2kernels.so2_mixing_stack_bwd``: the first-order backward as one op."""
     grads: StackGrads = _mixing_stack_bwd_op(
-        grad_out, x_local, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
+        grad_out, z_all, u_final, alpha, u0, w0_all, w1_all, gw_all, grad_z, grad_u,
         lmax, focus_dim, apply_alpha, need_weights, precision,
     )  # fmt: skip
     return grads

@@ -952,39 +952,41 @@ def _column_halves(tile, E_TILE: tl.constexpr, C_TILE: tl.constexpr):
 
 @triton.jit
 def _block_bwd_epilogue(
-    acc, rows, row_mask, cols, a_rows, edge_rows, act_rows, res_ptr, alpha_ptr, x_ptr, out_ptr,
-    focus, n_focus, WIDTH: tl.constexpr, FINAL: tl.constexpr, APPLY_ALPHA: tl.constexpr,
+    acc, rows, row_mask, cols, a_rows, act_rows, res_ptr, alpha_ptr, u_ptr, out_ptr, focus,
+    n_focus, WIDTH: tl.constexpr, FINAL: tl.constexpr, APPLY_ALPHA: tl.constexpr,
     ALPHA_PARTIALS: tl.constexpr,
 ):  # fmt: skip
     """Finish the residual product ``acc`` on the columns ``cols`` (see :func:`block_bwd_kernel`);
-    returns ``Σ_cols grad·x_local`` per edge row with ``ALPHA_PARTIALS``, else zeros."""
+    returns ``Σ_cols u·(grad + grad Wᵀ)`` per edge row with ``ALPHA_PARTIALS``, else zeros."""
     mask = row_mask[:, None] & (cols < WIDTH)[None, :]
-    grad_x = tl.zeros_like(rows).to(tl.float32)
+    grad_alpha = tl.zeros_like(rows).to(tl.float32)
     if FINAL:
         grad = tl.load(a_rows[:, None] + cols[None, :], mask=mask, other=0.0)
         result = grad + acc
         if APPLY_ALPHA:
+            if ALPHA_PARTIALS:
+                # Σ_c grad·out = Σ_c u·(grad + grad Wᵀ) (the transpose moved onto the cotangent):
+                # no division by alpha, so an edge with alpha = 0 still gets its gradient.
+                u_tile = tl.load(u_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+                grad_alpha = tl.sum(u_tile * result, axis=1)
             a = tl.load(alpha_ptr + rows * n_focus + focus, mask=row_mask, other=0.0)
             result = result * a[:, None]
-            if ALPHA_PARTIALS:
-                x_tile = tl.load(x_ptr + edge_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-                grad_x = tl.sum(grad * x_tile, axis=1)
     else:
         result = tl.load(res_ptr + act_rows[:, None] + cols[None, :], mask=mask, other=0.0) + acc
     tl.store(out_ptr + act_rows[:, None] + cols[None, :], result, mask=mask)
-    return grad_x
+    return grad_alpha
 
 
 @triton.jit
 def _block_bwd_finish(
-    acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, x_ptr,
+    acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, u_ptr,
     part_ptr, out_ptr, n_edge, L: tl.constexpr, FD: tl.constexpr, M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr, APPLY_ALPHA: tl.constexpr, ALPHA_PARTIALS: tl.constexpr,
     HALVES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """Epilogue of a residual backward tile (see :func:`block_bwd_kernel`): store ``g_in`` and,
-    with ``ALPHA_PARTIALS``, this tile's share of ``Σ grad·x_local``. ``HALVES`` runs it on one
-    column half at a time."""
+    with ``ALPHA_PARTIALS``, this tile's share of the alpha gradient ``Σ grad·out``. ``HALVES``
+    runs it on one column half at a time."""
     GWD: tl.constexpr = L * FD
     ROW: tl.constexpr = FD + 3 * GWD
     M0: tl.constexpr = FD + GWD
@@ -992,31 +994,29 @@ def _block_bwd_finish(
     COL0: tl.constexpr = M0 if M1_BLOCK else 0
     NT0: tl.constexpr = (M0 - 1) // BLOCK_N + 1
     N_SLOTS: tl.constexpr = NT0 + (2 * GWD - 1) // BLOCK_N + 1
-    edge_rows = (rows * n_focus + focus) * ROW + COL0
     act_rows = (focus * n_edge + rows) * ROW + COL0
     if HALVES:
-        # Holding grad, x_local and the product of a whole tile at once spills (sm_90, 64x128
-        # tile: 255 registers); one column half at a time does not (233) and ran 7 % faster
-        # at the bar case. The other epilogues gained nothing from halves (H200, 2026-11-30).
+        # Holding grad, u and the product of a whole tile at once spills (sm_90, 64x128 tile:
+        # 255 registers); one column half at a time does not (233) and ran 7 % faster at the
+        # bar case. The other epilogues gained nothing from halves (H200, 2026-11-30).
         left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
         left_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        grad_x = _block_bwd_epilogue(
-            left, rows, row_mask, left_cols, a_rows, edge_rows, act_rows, res_ptr, alpha_ptr,
-            x_ptr, out_ptr, focus, n_focus, WIDTH, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
+        grad_alpha = _block_bwd_epilogue(
+            left, rows, row_mask, left_cols, a_rows, act_rows, res_ptr, alpha_ptr, u_ptr,
+            out_ptr, focus, n_focus, WIDTH, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
         )  # fmt: skip
-        grad_x += _block_bwd_epilogue(
-            right, rows, row_mask, left_cols + BLOCK_N // 2, a_rows, edge_rows, act_rows,
-            res_ptr, alpha_ptr, x_ptr, out_ptr, focus, n_focus, WIDTH, FINAL, APPLY_ALPHA,
-            ALPHA_PARTIALS,
+        grad_alpha += _block_bwd_epilogue(
+            right, rows, row_mask, left_cols + BLOCK_N // 2, a_rows, act_rows, res_ptr,
+            alpha_ptr, u_ptr, out_ptr, focus, n_focus, WIDTH, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
         )  # fmt: skip
     else:
-        grad_x = _block_bwd_epilogue(
-            acc, rows, row_mask, cols, a_rows, edge_rows, act_rows, res_ptr, alpha_ptr, x_ptr,
-            out_ptr, focus, n_focus, WIDTH, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
+        grad_alpha = _block_bwd_epilogue(
+            acc, rows, row_mask, cols, a_rows, act_rows, res_ptr, alpha_ptr, u_ptr, out_ptr,
+            focus, n_focus, WIDTH, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
         )  # fmt: skip
     if ALPHA_PARTIALS:
         slot = pid_n + (NT0 if M1_BLOCK else 0)
-        tl.store(part_ptr + (rows * n_focus + focus) * N_SLOTS + slot, grad_x, mask=row_mask)
+        tl.store(part_ptr + (rows * n_focus + focus) * N_SLOTS + slot, grad_alpha, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=PER_CALL_ARGS)
@@ -1025,6 +1025,8 @@ def block_bwd_kernel(
     wt_ptr,  # (NL, F, W, W) transposed block weights
     res_ptr,  # (F, E, ROW) cotangent of the layer output (not read when FINAL)
     alpha_ptr,  # (E, F)
+    u_ptr,  # (F, E, ROW) the final layer's input u_final (ALPHA_PARTIALS)
+    part_ptr,  # (E, F, NT) out: per column tile, Σ u·(grad + grad Wᵀ) over its columns
     out_ptr,  # (F, E, ROW) out: cotangent of the layer input
     n_edge,
     layer,
@@ -1033,6 +1035,7 @@ def block_bwd_kernel(
     M1_BLOCK: tl.constexpr,
     FINAL: tl.constexpr,
     APPLY_ALPHA: tl.constexpr,
+    ALPHA_PARTIALS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # edges per tile
     BLOCK_N: tl.constexpr,  # output columns per tile
     BLOCK_K: tl.constexpr,  # reduction step
@@ -1041,7 +1044,8 @@ def block_bwd_kernel(
     :func:`block_bwd_desc_kernel`).
 
     For the final identity layer (``FINAL``) ``gz = g_out = alpha·grad`` is read edge-major and
-    alpha is applied after the product: ``g_in = alpha·(grad + grad @ Wᵀ)``.
+    alpha is applied after the product: ``g_in = alpha·(grad + grad @ Wᵀ)``. ``ALPHA_PARTIALS``
+    leaves this tile's share of the alpha gradient in its slot, as :func:`block_bwd_desc_kernel`.
     """
     GWD: tl.constexpr = L * FD
     ROW: tl.constexpr = FD + 3 * GWD
@@ -1060,9 +1064,9 @@ def block_bwd_kernel(
         WIDTH, WIDTH, False, BLOCK_K, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     _block_bwd_finish(
-        acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, out_ptr,
-        out_ptr, out_ptr, n_edge, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA, False, False, BLOCK_N,
-        BLOCK_M,
+        acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, u_ptr,
+        part_ptr, out_ptr, n_edge, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA, ALPHA_PARTIALS, False,
+        BLOCK_N, BLOCK_M,
     )  # fmt: skip
 
 
@@ -1075,8 +1079,8 @@ def block_bwd_desc_kernel(
     a_ptr,  # (E, F, ROW) the output cotangent (FINAL)
     res_ptr,  # (F, E, ROW) cotangent of the layer output (not read when FINAL)
     alpha_ptr,  # (E, F)
-    x_ptr,  # (E, F, ROW) the forward's x_local (ALPHA_PARTIALS)
-    part_ptr,  # (E, F, NT) out: per column tile, Σ grad·x_local over its columns (ALPHA_PARTIALS)
+    u_ptr,  # (F, E, ROW) the final layer's input u_final (ALPHA_PARTIALS)
+    part_ptr,  # (E, F, NT) out: per column tile, Σ u·(grad + grad Wᵀ) over its columns
     out_ptr,  # (F, E, ROW) out: cotangent of the layer input
     n_edge,
     n_focus,
@@ -1098,9 +1102,9 @@ def block_bwd_desc_kernel(
     that the gate backward kernels leave. For the final identity layer (``FINAL``) ``gz = g_out
     = alpha·grad`` is read edge-major (split in registers), alpha is applied after the product,
     ``g_in = alpha·(grad + grad @ Wᵀ)``, and the epilogue runs on one column half at a time;
-    ``ALPHA_PARTIALS`` also leaves this tile's share of ``Σ_c grad·x_local`` for the alpha
-    gradient: the m=0 block fills slots ``[0, NT0)``, the |m|=1 block the next ``NT1``, and the
-    caller sums the slots.
+    ``ALPHA_PARTIALS`` also leaves this tile's share of the alpha gradient ``Σ_c grad·out =
+    Σ_c u·(grad + grad Wᵀ)``: the m=0 block fills slots ``[0, NT0)``, the |m|=1 block the next
+    ``NT1``, and the caller sums the slots.
     """
     GWD: tl.constexpr = L * FD
     ROW: tl.constexpr = FD + 3 * GWD
@@ -1123,7 +1127,7 @@ def block_bwd_desc_kernel(
         )  # fmt: skip
         a_rows = a_ptr + (rows * n_focus + focus) * ROW + COL0
         _block_bwd_finish(
-            acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, x_ptr,
+            acc, rows, row_mask, cols, pid_n, a_rows, focus, n_focus, res_ptr, alpha_ptr, u_ptr,
             part_ptr, out_ptr, n_edge, L, FD, M1_BLOCK, FINAL, APPLY_ALPHA, ALPHA_PARTIALS,
             FINAL, BLOCK_N, BLOCK_M,
         )  # fmt: skip

@@ -9,23 +9,25 @@ lands in its JIT function's in-process cache (and Triton's disk cache) under the
 computes, so the launch finds it.
 
 A record of a kernel whose source changed since is skipped, and one that fails to compile is
-dropped: those kernels compile at their first launch as before. Triton's source hash also covers
-the JIT functions a kernel calls and its line number, so an edit above a kernel counts as a
-change. A record that still compiles but that no launch asks for any more (its launcher changed,
-e.g. new tiles) only costs compile time: re-record after such changes
-(``benchmarks/cold_start.py --scenarios record``). A gpu test checks that the shipped sets cover
-the server's warm-up; a CPU test, that they name the current code's kernels.
+dropped: those kernels compile at their first launch as before. The source hash
+(:func:`source_hash`) also covers the JIT functions a kernel calls and its line number, so an
+edit above a kernel counts as a change. A record that still compiles but that no launch asks
+for any more (its launcher changed, e.g. new tiles) only costs compile time: re-record after
+such changes (``benchmarks/cold_start.py --scenarios record``). A gpu test checks that the
+shipped sets cover the server's warm-up; a CPU test, that they name the current code's kernels.
 
 Kernel sets live in ``so2kernels/tables/<gpu-slug>.kernels.json``, keyed by Triton version
 (the recorded specialisations are in that version's format) and by a workload fingerprint
 chosen by the caller::
 
     {"3.6.0": {"<fingerprint>": [{"kernel": "module:qualname", "spec": "<Triton's JSON>",
-                                  "source": "<the function's source hash>"}, ...]}}
+                                  "source": "<source_hash of the function>"}, ...]}}
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import importlib
 import json
 import logging
@@ -35,12 +37,14 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -54,6 +58,7 @@ __all__ = [
     "preload_kernels",
     "record_compiles",
     "save_kernel_set",
+    "source_hash",
 ]
 
 log = logging.getLogger("so2kernels.precompile")
@@ -62,12 +67,52 @@ KERNEL_PACKAGES = ("so2kernels", "service")
 """Top-level packages whose Triton kernels a kernel set may name."""
 
 
+@cache
+def source_hash(kernel: JITFunction[Any]) -> str:
+    """sha256 of a kernel's source and first line, those of every JIT function it calls (through
+    any depth), and the ``tl.constexpr`` globals they read.
+
+    Not Triton's ``cache_key``: that one depends on what the process hashed before (a callee
+    already hashed for another kernel lends its globals to the callers hashed after it; Triton
+    3.6 and 3.7), so the same code got different keys on the GPU box and in CI.
+    """
+    sources: dict[str, str] = {}
+    constants: dict[str, str] = {}
+    pending = [kernel]
+    while pending:
+        fn = pending.pop()
+        name = f"{fn.fn.__module__}:{fn.fn.__qualname__}"
+        if name in sources:
+            continue
+        sources[name] = f"{fn.starting_line_number}\n{fn.src}"
+        for ref, value in _global_references(fn):
+            if isinstance(value, JITFunction):
+                pending.append(value)
+            elif isinstance(value, tl.constexpr):
+                constants[f"{name}:{ref}"] = repr(value.value)
+    text = json.dumps([sorted(sources.items()), sorted(constants.items())])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _global_references(fn: JITFunction[Any]) -> Iterator[tuple[str, Any]]:
+    """``(name, value)`` of each global a JIT function's body names, plain (``helper``) or as a
+    module attribute (``ops.helper``)."""
+    namespace = fn.fn.__globals__
+    for node in ast.walk(ast.parse(fn.src)):
+        if isinstance(node, ast.Name) and node.id in namespace:
+            yield node.id, namespace[node.id]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            module = namespace.get(node.value.id)
+            if isinstance(module, ModuleType) and hasattr(module, node.attr):
+                yield f"{node.value.id}.{node.attr}", getattr(module, node.attr)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One compiled variant of a kernel: ``kernel`` is ``"module:qualname"`` of its
     ``@triton.jit`` function, ``spec`` Triton's serialised specialisation (JSON text), and
-    ``source`` the function's source hash when it was recorded (Triton's ``cache_key``; empty:
-    unknown), so that a record of a kernel changed since is not compiled for nothing."""
+    ``source`` the function's :func:`source_hash` when it was recorded (empty: unknown), so that
+    a record of a kernel changed since is not compiled for nothing."""
 
     kernel: str
     spec: str
@@ -87,7 +132,7 @@ class KernelSpec:
             raise LookupError(f"no kernel {self.kernel}") from exc
         if not isinstance(target, JITFunction):
             raise LookupError(f"{self.kernel} is not a Triton JIT function")
-        if self.source and self.source != target.cache_key:
+        if self.source and self.source != source_hash(target):
             raise LookupError(f"{self.kernel} changed since it was recorded")
         return target
 
@@ -123,7 +168,7 @@ def record_compiles() -> Iterator[list[KernelSpec]]:
         data = (kwargs.get("compile") or {}).get("specialization_data")
         if isinstance(jit, JITFunction) and isinstance(data, str):
             name = f"{jit.fn.__module__}:{jit.fn.__qualname__}"
-            spec = KernelSpec(name, data, jit.cache_key)
+            spec = KernelSpec(name, data, source_hash(jit))
             if spec not in seen:
                 seen.add(spec)
                 recorded.append(spec)

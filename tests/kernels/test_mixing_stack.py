@@ -190,6 +190,40 @@ def test_fast_tier_against_float64(
     assert exact.x_local < 1e-6
 
 
+@pytest.mark.parametrize("precision", ["ieee", "fp16x3"])
+def test_alpha_zero_edges_get_their_gradient(poisoned_alloc: None, precision: str) -> None:
+    """``d x_local / d alpha = out`` holds at alpha = 0 too (an edge the competition switched
+    off): no division by alpha anywhere, so no NaN and the reference's value."""
+    ops = make_operands(2, 32, 2, 11, 3, seed=23)
+    alpha = ops[1].clone()
+    alpha[::3, 0] = 0.0
+    alpha[4] = 0.0
+    ops = (ops[0], alpha, *ops[2:])
+    got_in, ref_in = _float(ops, FORCE_GRADS), _double(ops, FORCE_GRADS)
+    got = so2_mixing_stack(*got_in, 2, 32, True, precision)[0]
+    grad_out = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, got_in[:2], grad_out)
+    ref = mixing_stack_reference(*ref_in, 2, 32, True)[0]
+    ref_grads = torch.autograd.grad(ref, ref_in[:2], grad_out.double())
+    tol = 4e-6 if precision == "fp16x3" else 2e-6
+    for g, r in zip(got_grads, ref_grads, strict=True):
+        assert bool(torch.isfinite(g).all())
+        assert_normwise_close(g, r, tol)
+    assert_normwise_close(got_grads[1][alpha == 0], ref_grads[1][alpha == 0], tol)
+
+
+def test_alpha_zero_second_order() -> None:
+    """The differentiable backward (a force loss) at alpha = 0 edges, against float64."""
+    ops = make_operands(2, 32, 2, 5, 3, seed=29)
+    alpha = ops[1].clone()
+    alpha[1] = 0.0
+    alpha[3, 1] = 0.0
+    got, want = _force_loss_second_order((ops[0], alpha, *ops[2:]), ALL_GRADS, 2, 32, True)
+    for g, w in zip(got, want, strict=True):
+        assert bool(torch.isfinite(g).all())
+        assert_normwise_close(g, w, 3e-6)
+
+
 def test_zero_edges() -> None:
     ops = _float(make_operands(2, 32, 2, 0, 3), ALL_GRADS)
     x_local, z_all, u_final = so2_mixing_stack(*ops, 2, 32, True)
@@ -225,8 +259,9 @@ def test_backward_op_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def backward(*cot: torch.Tensor, precision: str = "ieee") -> object:
         return mixing_stack_backward(
-            cot[0], *outs, ops[1], ops[0], *ops[2:], cot[1], cot[2], 2, 32, True, False, precision
-        )
+            cot[0], *outs[1:], ops[1], ops[0], *ops[2:], cot[1], cot[2], 2, 32, True, False,
+            precision,
+        )  # fmt: skip
 
     with pytest.raises(UnsupportedInputError, match="float32 for 'grad_z'"):
         backward(cots[0], cots[1].double(), cots[2])
@@ -234,7 +269,7 @@ def test_backward_op_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     small_outs = mixing_stack_reference(*small, 1, 16, True)
     with pytest.raises(ValueError, match="focus_dim must be"):
         mixing_stack_backward(
-            torch.randn_like(small_outs[0]), *small_outs, small[1], small[0], *small[2:], None,
+            torch.randn_like(small_outs[0]), *small_outs[1:], small[1], small[0], *small[2:], None,
             None, 1, 16, True, False,
         )  # fmt: skip
     monkeypatch.setattr(mixing_stack_module, "use_triton", lambda *tensors: False)
@@ -254,7 +289,7 @@ def test_opcheck() -> None:
     plain = [t.detach() for t in ops]
     torch.library.opcheck(
         torch.ops.so2kernels.so2_mixing_stack_bwd.default,
-        (torch.randn_like(x_local), x_local, z_all, u_final, plain[1], plain[0], *plain[2:],
+        (torch.randn_like(x_local), z_all, u_final, plain[1], plain[0], *plain[2:],
          None, None, 1, 32, True, True, "ieee"),
     )  # fmt: skip
 
@@ -282,7 +317,7 @@ def test_backward_op_weight_grads_match_autograd() -> None:
     x_local, z_all, u_final = so2_mixing_stack(*ops, 2, 32, True)
     grad_out = torch.randn_like(x_local)
     grads = mixing_stack_backward(
-        grad_out, x_local, z_all, u_final, ops[1], ops[0], *ops[2:], None, None, 2, 32, True, True
+        grad_out, z_all, u_final, ops[1], ops[0], *ops[2:], None, None, 2, 32, True, True
     )
     ref_in = _double(ops, ALL_GRADS)
     ref = mixing_stack_reference(*ref_in, 2, 32, True)[0]
@@ -309,7 +344,7 @@ def test_fast_backward_op_every_input(
     outs = so2_mixing_stack(*ops, lmax, focus_dim, apply_alpha, "fp16x3")
     cots = [torch.randn_like(t) for t in outs]
     grads = mixing_stack_backward(
-        cots[0], *outs, ops[1], ops[0], *ops[2:], cots[1], cots[2], lmax, focus_dim,
+        cots[0], *outs[1:], ops[1], ops[0], *ops[2:], cots[1], cots[2], lmax, focus_dim,
         apply_alpha, True, "fp16x3",
     )  # fmt: skip
     mask = (True, apply_alpha, True, True, n_layers > 1)
@@ -484,8 +519,9 @@ _EXACT_VARIANTS: list[_Variant] = [
     ("gate_fwd_kernel", {"HAS_RES": 0, "ALL_ROWS": 1, "STORE_SIG": 0}),
     ("gate_bwd_kernel", {"RECOVER": 1}),
     ("scalar_bwd_kernel", {"RECOVER": 1}),
-    *(("block_bwd_kernel", {**b, "APPLY_ALPHA": 1}) for b in _BLOCKS),
-]
+    *(("block_bwd_kernel", {**b, "APPLY_ALPHA": 1, "ALPHA_PARTIALS": b["FINAL"]})
+      for b in _BLOCKS),
+]  # fmt: skip
 _FAST_VARIANTS: list[_Variant] = [
     *(("block_fwd_desc_kernel", {**b, "APPLY_ALPHA": 1}) for b in _BLOCKS),
     ("gate_fwd_kernel", {"HAS_RES": 1, "ALL_ROWS": 0, "STORE_SIG": 1}),
@@ -603,6 +639,7 @@ def test_gpu_realistic_size(precision: str, lmax: int, focus_dim: int, n_focus: 
     """
     n_edge = 100_003
     ops = make_operands(lmax, focus_dim, n_focus, n_edge, 3, seed=13, device="cuda")
+    ops[1][::997, 0] = 0.0  # edges the competition switched off (alpha = 0) keep their gradient
     inputs = _float(ops, FORCE_GRADS)
     x_local, z_all, u_final = so2_mixing_stack(*inputs, lmax, focus_dim, True, precision)
     grad_out = torch.randn_like(x_local)
@@ -610,8 +647,9 @@ def test_gpu_realistic_size(precision: str, lmax: int, focus_dim: int, n_focus: 
     for t in (x_local, z_all, u_final, grad_u0, grad_alpha):
         assert bool(torch.isfinite(t).all())
     edges = torch.cat(
-        [torch.arange(0, 64), torch.randint(0, n_edge, (512,)), torch.arange(n_edge - 64, n_edge)]
-    ).cuda()
+        [torch.arange(0, 64), torch.randint(0, n_edge, (512,)), torch.arange(0, n_edge, 997)[:64],
+         torch.arange(n_edge - 64, n_edge)]
+    ).cuda()  # fmt: skip
     ref_in = _double(_edge_sample(ops, edges), FORCE_GRADS)
     ref = mixing_stack_reference(*ref_in, lmax, focus_dim, True)
     ref_grads = torch.autograd.grad(ref[0], ref_in[:2], grad_out[edges].double())

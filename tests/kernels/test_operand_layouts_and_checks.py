@@ -156,7 +156,7 @@ def test_mixing_stack_bwd_rejects_mis_shaped_cotangents(bad: str) -> None:
     extra[bad] = torch.randn(u0.shape[-1])
     with pytest.raises(ValueError, match=bad):
         mixing_stack_backward(
-            torch.randn_like(x_local), x_local, z_all, u_final, alpha, u0, w0, w1, gw,
+            torch.randn_like(x_local), z_all, u_final, alpha, u0, w0, w1, gw,
             extra["grad_z"], extra["grad_u"], 1, 32, True, True,
         )  # fmt: skip
 
@@ -165,10 +165,10 @@ def test_mixing_stack_bwd_rejects_focus_major_grad_out() -> None:
     """grad_out must be edge-major (E, F, ROW): a focus-major (F, E, ROW) one is refused by a
     check naming it (it used to broadcast against x_local, or die in an unrelated
     RuntimeError)."""
-    (u0, alpha, w0, w1, gw), (x_local, z_all, u_final) = _stack_outputs()
+    (u0, alpha, w0, w1, gw), (_, z_all, u_final) = _stack_outputs()
     with pytest.raises(ValueError, match="grad_out"):
         mixing_stack_backward(
-            torch.randn(u0.shape), x_local, z_all, u_final, alpha, u0, w0, w1, gw, None, None,
+            torch.randn(u0.shape), z_all, u_final, alpha, u0, w0, w1, gw, None, None,
             1, 32, True, True,
         )  # fmt: skip
 

@@ -28,6 +28,7 @@ from so2kernels.precompile import (
     preload_kernels,
     record_compiles,
     save_kernel_set,
+    source_hash,
 )
 from so2kernels.tiles import TABLES_DIR
 from tests.offline_compile import REPO, run_without_interpreter
@@ -116,7 +117,7 @@ def test_recording_collects_each_variant_once_and_keeps_an_installed_hook() -> N
         assert knobs.runtime.jit_post_compile_hook is installed
     finally:
         knobs.runtime.jit_post_compile_hook = previous
-    name, source = f"{_kernel_body.__module__}:_kernel_body", jit.cache_key
+    name, source = f"{_kernel_body.__module__}:_kernel_body", source_hash(jit)
     assert recorded == [
         KernelSpec(name, '{"key": "one"}', source),
         KernelSpec(name, '{"key": "two"}', source),
@@ -139,7 +140,7 @@ def test_a_record_of_a_kernel_changed_since_does_not_resolve(
     monkeypatch.setattr(precompile, "KERNEL_PACKAGES", (__name__.partition(".")[0],))
     name = f"{__name__}:_jit_kernel"
     assert KernelSpec(name, "{}").resolve() is _jit_kernel  # recorded without a source hash
-    assert KernelSpec(name, "{}", _jit_kernel.cache_key).resolve() is _jit_kernel
+    assert KernelSpec(name, "{}", source_hash(_jit_kernel)).resolve() is _jit_kernel
     with pytest.raises(LookupError, match="changed since it was recorded"):
         KernelSpec(name, "{}", "0" * 64).resolve()
 
@@ -181,64 +182,44 @@ def test_preloading_compiles_what_is_missing_and_reports_what_failed(
     assert report.seconds >= 0.0
 
 
-# The shipped sets against this code. A kernel-set record names its kernel by Triton's hash of
-# the kernel's source, which also covers the JIT functions it calls and its line number: editing
-# a kernel, or any line above it, leaves the record unused (that kernel compiles at its launch
-# again, and the GPU test of the warm-up fails). Here CI sees it, from the hashes the running
-# Triton gave the code the sets were recorded from.
-
-KERNEL_SET_SOURCES = Path(__file__).with_name("kernel_set_sources.json")
-"""``{triton version: {"module:qualname": hash}}`` for the kernels of the shipped sets, taken
-when they were recorded; a version that recorded the sets itself needs no entry."""
+# The shipped sets against this code. A kernel-set record names its kernel by source_hash, which
+# also covers the JIT functions it calls and its line number: editing a kernel, or any line above
+# it, leaves the record unused (that kernel compiles at its launch again, and the GPU test of the
+# warm-up fails). The hash is the code's alone (no Triton version, no process history), so CI
+# checks the records of every Triton version against the code it runs.
 
 _HASHES = """
-import json, triton
-from so2kernels.precompile import KernelSpec
+import json
+from so2kernels.precompile import KernelSpec, source_hash
 names = json.loads({names!r})
-print(json.dumps({{"triton": triton.__version__,
-                  "hashes": {{n: KernelSpec(n, "{{}}").resolve().cache_key for n in names}}}}))
+print(json.dumps({{n: source_hash(KernelSpec(n, "{{}}").resolve()) for n in names}}))
 """
 
 
 def shipped_records() -> dict[str, dict[str, str]]:
-    """``{triton version: {"module:qualname": hash}}`` of every shipped kernel-set record."""
-    records: dict[str, dict[str, str]] = {}
+    """``{"<triton version> <module:qualname>": hash}`` of every shipped kernel-set record."""
+    records: dict[str, str] = {}
     for path in TABLES_DIR.glob("*.kernels.json"):
         for version, sets in json.loads(path.read_text()).items():
             for entries in sets.values():
-                records.setdefault(version, {}).update({e["kernel"]: e["source"] for e in entries})
+                records.update({f"{version} {e['kernel']}": e["source"] for e in entries})
     return records
 
 
-def current_kernel_hashes() -> tuple[str, dict[str, str]]:
-    """The running Triton's version and its hash of every kernel the shipped sets name (computed
-    outside the interpreter, which has no JIT functions)."""
-    names = sorted({name for kernels in shipped_records().values() for name in kernels})
+def current_kernel_hashes(names: list[str]) -> dict[str, str]:
+    """``source_hash`` of each named kernel in this code (computed outside the interpreter,
+    which has no JIT functions)."""
     script = _HASHES.format(names=json.dumps(names))
-    result = json.loads(run_without_interpreter(script).strip().splitlines()[-1])
-    return result["triton"], result["hashes"]
-
-
-def write_kernel_set_sources() -> None:
-    """After recording the shipped sets on the GPU, with the code they were recorded from:
-    ``python -c "from tests.kernels.test_precompile import write_kernel_set_sources as w; w()"``
-    under each Triton version CI may install."""
-    version, hashes = current_kernel_hashes()
-    known = json.loads(KERNEL_SET_SOURCES.read_text()) if KERNEL_SET_SOURCES.exists() else {}
-    known[version] = hashes
-    KERNEL_SET_SOURCES.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+    hashes: dict[str, str] = json.loads(run_without_interpreter(script).strip().splitlines()[-1])
+    return hashes
 
 
 def test_the_shipped_kernel_sets_name_this_code() -> None:
-    version, hashes = current_kernel_hashes()
-    recorded = shipped_records().get(version) or json.loads(KERNEL_SET_SOURCES.read_text()).get(
-        version, {}
-    )
-    if not recorded:
-        pytest.skip(f"no kernel hashes known for Triton {version}")
-    moved = sorted(name for name, key in recorded.items() if hashes.get(name) != key)
+    recorded = shipped_records()
+    assert recorded, f"no kernel sets shipped in {TABLES_DIR.relative_to(REPO)}"
+    hashes = current_kernel_hashes(sorted({key.split()[1] for key in recorded}))
+    moved = sorted(key for key, source in recorded.items() if hashes[key.split()[1]] != source)
     assert not moved, (
         f"changed since the shipped kernel sets were recorded: {moved}. Keep the kernel's source "
-        "and line, or re-record the sets on the GPU (benchmarks/cold_start.py --scenarios "
-        f"record) and refresh {KERNEL_SET_SOURCES.relative_to(REPO)}"
+        "and line, or re-record the sets on the GPU (benchmarks/cold_start.py --scenarios record)"
     )
