@@ -289,6 +289,11 @@ def _alpha_partials(args: StackBwdArgs, n_slots: int, stand_in: Tensor) -> Tenso
     return args.alpha.new_empty((*args.alpha.shape, n_slots))
 
 
+def _summed_alpha_partials(args: StackBwdArgs, partials: Tensor) -> Tensor:
+    """alpha's gradient ``(E, F)``: the slots of :func:`_alpha_partials` summed (zero without)."""
+    return partials.sum(-1) if args.apply_alpha else torch.zeros_like(args.alpha)
+
+
 def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
     """Exact-tier traversal (IEEE fp32 dots). Per gated layer: gate backward, scalar backward,
     two residual GEMMs. Inputs contiguous fp32; activations and cotangents focus first."""
@@ -310,7 +315,7 @@ def _stack_backward_exact(args: StackBwdArgs) -> StackGrads:
             grad_out, wt, g, alpha, u_final, partials, g, n_edge, n_gated, M1_BLOCK=is_m1,
             FINAL=True, APPLY_ALPHA=apply_alpha, ALPHA_PARTIALS=apply_alpha, **run.meta_no_fast,
         )  # fmt: skip
-    grad_alpha = partials.sum(-1) if apply_alpha else torch.zeros_like(alpha)
+    grad_alpha = _summed_alpha_partials(args, partials)
     if grad_u is not None:
         g += grad_u
 
@@ -381,7 +386,7 @@ def _stack_backward_fast(args: StackBwdArgs) -> StackGrads:
             {"M1_BLOCK": is_m1, "FINAL": True, "APPLY_ALPHA": apply_alpha,
              "ALPHA_PARTIALS": apply_alpha},
         )  # fmt: skip
-    grad_alpha = partials.sum(-1) if apply_alpha else torch.zeros_like(alpha)
+    grad_alpha = _summed_alpha_partials(args, partials)
     if grad_u is not None:
         g += grad_u
 
