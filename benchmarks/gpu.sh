@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|sweep-triton|overlay-ab|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks: benchmarks/gpu_wheels.sh).
 set -uo pipefail
@@ -74,6 +74,20 @@ case "$topic" in
   triton-sets)  # under the packed Triton: its kernel sets recorded, their cover checked, the stack's gpu tests (~6 min)
     STEP_S=${COLD_S:-150} run python3 benchmarks/cold_start.py --scenarios record --precisions fp32 fp16x3 --workloads water-192 --repeats 1
     STEP_S=120 run python3 -m pytest -q -m gpu tests/service/test_warm_up.py -k "cover_the_warm_up or local_calculator_compiles"
+    STEP_S=150 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py
+    ;;
+  sweep-triton)  # under the packed Triton: the bar shape's fp16x3 tiles swept into its table overlay, then the bar's fast tier with it (~7 min)
+    STEP_S=500 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile \
+      --only fused_fast --sweep --sweep-cases bar --sweep-precisions fp16x3
+    ;;
+  overlay-ab)  # under the packed Triton: the bar's fast tier on the base table alone and with the release's overlay, alternating, then the stack's gpu tests (~6 min)
+    base=so2kernels/tables/mixing_stack_nvidia_h200.json
+    for pass in 1 2; do
+      SO2_STACK_TABLE=$base STEP_S=90 run python3 benchmarks/kernels_mixing_stack.py --cases bar \
+        --no-compile --profile --only fused_fast
+      STEP_S=90 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile \
+        --only fused_fast
+    done
     STEP_S=150 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py
     ;;
   triton-rest)  # under the packed Triton: the graph, model, service, client and training gpu tests (carry .gpu_triton, .whl and .gpu_data: ~58 MiB with the tree)

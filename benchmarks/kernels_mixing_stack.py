@@ -18,8 +18,10 @@ forward+backward step (``kernels_ms``). Results go to
 ``--sweep`` times candidate launch tiles per kernel family (``fwd``, ``gate``, ``gbwd``, ``bwd``,
 and for fp16x3 ``fbwd``) and precision, keeps only candidates whose outputs are finite and
 within tolerance of float64 (some pipelined fp16 configurations are known to miscompile into NaN
-rows), and writes the winners to ``so2kernels/tables/mixing_stack_<gpu>.json``. Re-run it after
-any kernel edit.
+rows), and writes the winners to ``so2kernels/tables/mixing_stack_<gpu>.json`` (under a Triton
+release other than the one that table was swept with: to that release's overlay,
+``mixing_stack_<gpu>.triton-<major.minor>.json``, whose entries override the base table's).
+Re-run it after any kernel edit.
 """
 
 from __future__ import annotations
@@ -353,19 +355,23 @@ def sweep(
     backward launches too, and the backward by the fwd+bwd time), each with the winners so far
     in place. Entries of tiers not swept this time are kept from the existing table;
     ``skip_tuned`` also leaves alone every shape whose entries of the swept tiers all exist.
+
+    Under the Triton release the base table was swept with (or with no base table yet) the
+    winners go into the base table; under another release they go into that release's overlay,
+    which holds only the entries swept under it (the rest stay the base's).
     """
-    out_path = kernels.stack_table_path(torch.cuda.get_device_name())
-    table: dict[str, list[int]] = (
-        json.loads(out_path.read_text())["configs"] if out_path.is_file() else {}
-    )
+    out_path, kept = _sweep_target(torch.cuda.get_device_name())
+    table = dict(kernels._load_table(torch.cuda.get_device_name()))
+    swept: set[str] = set()
+    swept_meta = {**meta, "sweep_edges": n_edge}
     scratch = Path(tempfile.mkdtemp()) / "table.json"
     os.environ["SO2_STACK_TABLE"] = str(scratch)
     # The table key has no focus count: one sweep per (lmax, Cf), at the fewest focus streams
     # (the bar's F = 1), so an F = 2 case cannot overwrite the entry tuned for F = 1.
     fewest: dict[tuple[int, int], int] = {}
     for c in cases:
-        key = (c.lmax, c.focus_dim)
-        fewest[key] = min(fewest.get(key, c.n_focus), c.n_focus)
+        shape = (c.lmax, c.focus_dim)
+        fewest[shape] = min(fewest.get(shape, c.n_focus), c.n_focus)
     shapes = sorted((lmax, focus_dim, n_focus) for (lmax, focus_dim), n_focus in fewest.items())
     if skip_tuned:
         shapes = [
@@ -395,13 +401,49 @@ def sweep(
                         best = (ms, cfg)
                 if best is not None:
                     table[key] = list(astuple(best[1]))
+                    swept.add(key)
+                # Written after every kind: a time-boxed sweep keeps the kinds it finished.
+                _write_table(out_path, _written(table, kept, swept), swept_meta)
         del ops
         torch.cuda.empty_cache()
-        # Written after every shape: a time-boxed sweep keeps the shapes it finished.
-        _write_table(out_path, table, {**meta, "sweep_edges": n_edge})
     del os.environ["SO2_STACK_TABLE"]
-    _write_table(out_path, table, {**meta, "sweep_edges": n_edge})
+    _write_table(out_path, _written(table, kept, swept), swept_meta)
     return out_path
+
+
+def _sweep_target(device_name: str) -> tuple[Path, set[str] | None]:
+    """Where a sweep under the running Triton writes, and the keys that file keeps besides the
+    swept ones (None: every entry, for the base table)."""
+    base = kernels.stack_table_path(device_name)
+    release = kernels.triton_release()
+    if base.is_file():
+        swept_under = str(json.loads(base.read_text())["meta"].get("triton", ""))
+        if ".".join(swept_under.split(".")[:2]) != release:
+            overlay = kernels.stack_overlay_path(device_name, release)
+            own = json.loads(overlay.read_text())["configs"] if overlay.is_file() else {}
+            return overlay, set(own)
+    return base, None
+
+
+def _tables_in_effect(device_name: str) -> list[str]:
+    """The table files the fused tiers read their tiles from in this process."""
+    forced = os.environ.get("SO2_STACK_TABLE")
+    if forced:
+        return [forced]
+    files = (
+        kernels.stack_table_path(device_name),
+        kernels.stack_overlay_path(device_name, kernels.triton_release()),
+    )
+    return [f.name for f in files if f.is_file()]
+
+
+def _written(
+    table: dict[str, list[int]], kept: set[str] | None, swept: set[str]
+) -> dict[str, list[int]]:
+    """The entries of ``table`` that the target file holds."""
+    if kept is None:
+        return dict(table)
+    return {key: value for key, value in table.items() if key in kept | swept}
 
 
 def main() -> None:
@@ -453,6 +495,7 @@ def main() -> None:
         "fast_target": {"fwd_bwd_ms": FAST_TARGET_MS, "rel_err": FAST_TARGET_REL_ERR},
     }
     cases = all_cases(args.cases, args.edges)
+    meta["stack_tables"] = _tables_in_effect(torch.cuda.get_device_name())
     if args.sweep:
         tuned = all_cases(args.sweep_cases, args.sweep_edges)
         tiers = [StackPrecision.parse(p) for p in args.sweep_precisions]

@@ -66,8 +66,10 @@ __all__ = [
     "persistent_grid",
     "row_descriptor",
     "split_fp16x3",
+    "stack_overlay_path",
     "stack_table_path",
     "tile_config",
+    "triton_release",
     "weight_descriptors",
     "weight_operands",
 ]
@@ -155,13 +157,36 @@ def stack_table_path(device_name: str) -> Path:
     return TABLES_DIR / f"mixing_stack_{device_slug(device_name)}.json"
 
 
-@cache
-def _load_table(device_name: str) -> dict[str, list[int]]:
-    path = Path(os.environ.get("SO2_STACK_TABLE", stack_table_path(device_name)))
-    if not path.exists():
+def triton_release() -> str:
+    """``major.minor`` of the running Triton: the release a table overlay was swept under."""
+    return ".".join(triton.__version__.split(".")[:2])
+
+
+def stack_overlay_path(device_name: str, release: str) -> Path:
+    """Entries swept under Triton ``release`` where it schedules a kernel family differently
+    from the release the GPU's base table was swept under:
+    ``tables/mixing_stack_<slug>.triton-<release>.json``. They override the base entries."""
+    return TABLES_DIR / f"mixing_stack_{device_slug(device_name)}.triton-{release}.json"
+
+
+def _table_entries(path: Path) -> dict[str, list[int]]:
+    if not path.is_file():
         return {}
     entries: dict[str, list[int]] = json.loads(path.read_text())["configs"]
     return entries
+
+
+@cache
+def _load_table(device_name: str) -> dict[str, list[int]]:
+    """The GPU's entries for the running Triton: the base table with the release's overlay on
+    top, or only the file ``SO2_STACK_TABLE`` names (the sweep's scratch table)."""
+    forced = os.environ.get("SO2_STACK_TABLE")
+    if forced:
+        return _table_entries(Path(forced))
+    return {
+        **_table_entries(stack_table_path(device_name)),
+        **_table_entries(stack_overlay_path(device_name, triton_release())),
+    }
 
 
 def table_key(kind: str, focus_dim: int, lmax: int, precision: StackPrecision) -> str:

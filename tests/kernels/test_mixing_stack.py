@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from importlib import import_module
+from pathlib import Path
 
 import pytest
 import torch
@@ -612,6 +614,42 @@ def test_tile_table_gate_backward_entry_and_stand_in(monkeypatch: pytest.MonkeyP
         fallback.block_m, fallback.block_n, fallback.block_k, fallback.num_warps,
         fallback.num_stages,
     )  # fmt: skip
+
+
+def test_tile_table_overlay_of_the_running_triton_release(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Entries swept under another Triton release live in that release's overlay and override
+    the base table's only where the running Triton is that release."""
+    monkeypatch.setattr(mixing_stack_kernels, "TABLES_DIR", tmp_path)
+    monkeypatch.delenv("SO2_STACK_TABLE", raising=False)
+    device = "NVIDIA Test GPU"
+    base = {"fwd|cf128|l2|fp16x3": [64, 128, 32, 4, 3], "bwd|cf128|l2|fp16x3": [128, 128, 64, 8, 3]}
+    overlay = {"bwd|cf128|l2|fp16x3": [64, 128, 32, 4, 3]}
+    mixing_stack_kernels.stack_table_path(device).write_text(
+        json.dumps({"meta": {"triton": "3.6.0"}, "configs": base})
+    )
+    mixing_stack_kernels.stack_overlay_path(device, "3.7").write_text(
+        json.dumps({"meta": {"triton": "3.7.1"}, "configs": overlay})
+    )
+    for release, expected in (("3.6", base), ("3.7", {**base, **overlay})):
+        monkeypatch.setattr(mixing_stack_kernels, "triton_release", lambda r=release: r)
+        mixing_stack_kernels._load_table.cache_clear()
+        assert mixing_stack_kernels._load_table(device) == expected
+    mixing_stack_kernels._load_table.cache_clear()
+
+    from benchmarks.kernels_mixing_stack import _sweep_target, _written
+
+    # A sweep under the base table's release rewrites the base; under another, its overlay,
+    # which keeps its own entries and gains the swept ones (never copies of the base's).
+    monkeypatch.setattr(mixing_stack_kernels, "triton_release", lambda: "3.6")
+    assert _sweep_target(device) == (mixing_stack_kernels.stack_table_path(device), None)
+    monkeypatch.setattr(mixing_stack_kernels, "triton_release", lambda: "3.8")
+    target, kept = _sweep_target(device)
+    assert target == mixing_stack_kernels.stack_overlay_path(device, "3.8")
+    assert kept == set()
+    swept = {"fwd|cf128|l2|fp16x3": [128, 128, 64, 8, 3]}
+    assert _written({**base, **swept}, kept, set(swept)) == swept
 
 
 @pytest.mark.slow
