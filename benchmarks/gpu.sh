@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|sweep-triton|overlay-ab|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|sweep-triton|overlay-ab|resweep-bar|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks: benchmarks/gpu_wheels.sh).
 set -uo pipefail
@@ -79,6 +79,20 @@ case "$topic" in
   sweep-triton)  # under the packed Triton: the bar shape's fp16x3 tiles swept into its table overlay, then the bar's fast tier with it (~7 min)
     STEP_S=500 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile \
       --only fused_fast --sweep --sweep-cases bar --sweep-precisions fp16x3
+    ;;
+  resweep-bar)  # the bar shape's fp16x3 tiles swept again under the running Triton (base table or its release's overlay), then the fast tier on the tables before and after, alternating (~5 min)
+    before=/tmp/stack_tiles_before.json
+    python3 -c 'import json, sys, torch; from so2kernels import mixing_stack_kernels as k
+json.dump({"meta": {}, "configs": k._load_table(torch.cuda.get_device_name())}, open(sys.argv[1], "w"))' "$before"
+    STEP_S=300 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile \
+      --only fused_fast --sweep --sweep-cases bar --sweep-precisions fp16x3
+    sleep 20  # the sweep leaves the board at its power cap; the pairs below start rested
+    for pass in 1 2; do
+      SO2_STACK_TABLE=$before STEP_S=90 run python3 benchmarks/kernels_mixing_stack.py --cases bar \
+        --no-compile --profile --only fused_fast
+      STEP_S=90 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile \
+        --only fused_fast
+    done
     ;;
   overlay-ab)  # under the packed Triton: the bar's fast tier on the base table alone and with the release's overlay, alternating, then the stack's gpu tests (~6 min)
     base=so2kernels/tables/mixing_stack_nvidia_h200.json
