@@ -266,7 +266,7 @@ json.dump({"meta": {}, "configs": k._load_table(torch.cuda.get_device_name())}, 
     ;;
   train)
     STEP_S=${TRAIN_S:-560} run python3 -m service.cli train configs/water_small.toml "$@"
-    cp service/models/default.safetensors "$out/" 2>/dev/null
+    cp runs/water_small/model.safetensors "$out/default.safetensors" 2>/dev/null
     cp runs/water_small/log.csv "$out/train_log.csv" 2>/dev/null
     run python3 -m service.cli eval default .gpu_data/data/water --json "$out/eval.json" --plot "$out/eval.png"
     ;;

@@ -252,7 +252,9 @@ class KeepAliveConnection:
 
 
 def _header_lines(headers: Mapping[str, str]) -> bytes:
-    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
+    # UTF-8, as the server reads an API key: latin-1 could not send most non-ASCII keys at all
+    # and would send the rest as bytes the server's key does not have.
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode()
 
 
 def _readable(sock: socket.socket, timeout_s: float) -> bool:

@@ -190,9 +190,10 @@ class _HttpBackend:
 
     def __init__(self, options: ScreenOptions) -> None:
         assert options.url is not None
-        headers = {"Accept": "application/msgpack"}
+        headers = {b"Accept": b"application/msgpack"}
         if options.api_key is not None:
-            headers["X-API-Key"] = options.api_key
+            # As bytes: httpx encodes str values as ASCII, the server reads the key's UTF-8.
+            headers[b"X-API-Key"] = options.api_key.encode()
         self._options = options
         self._client = httpx.AsyncClient(
             base_url=_service_url(options.url),
@@ -352,6 +353,13 @@ class _ResultStore:
     def _recover(self) -> dict[str, dict[str, Any]]:
         """Entries of earlier runs whose frames are intact; cut off anything half-written."""
         size = self.results_path.stat().st_size if self.results_path.exists() else 0
+        if size and not self._journal_path.exists():
+            # Every folder this store writes has its journal before any frame: these frames
+            # are someone else's, and resuming would cut them all off.
+            raise ScreenAborted(
+                f"{self.results_path} exists without {JOURNAL_FILE}, so it was not written by "
+                "so2serve screen; choose another --out folder or move the file away"
+            )
         entries: dict[str, dict[str, Any]] = {}
         committed = 0
         if self._journal_path.exists():

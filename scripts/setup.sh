@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Creates .venv and installs so2serve into it. `--dev` adds the test tools.
+# Creates .venv and installs so2serve into it, with plotting (the `plot` extra, for `eval --plot`);
+# `--dev` adds the test tools.
 # torch is installed first, pinned, so that pip takes the local CPU wheel where one exists
 # instead of resolving a multi-GB CUDA build; an existing .venv with torch 2.11-2.13 keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  "") extras="" ;;
+  "") extras="[plot]" ;;
   --dev) extras="[dev]" ;;
   *) echo "usage: $0 [--dev]" >&2; exit 2 ;;
 esac

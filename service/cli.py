@@ -65,6 +65,9 @@ def serve(
         bool, typer.Option("--insecure", help="allow a non-loopback host without an API key")
     ] = False,
     max_atoms: Annotated[int | None, typer.Option(help="atoms per structure; above → 413")] = None,
+    max_request_atoms: Annotated[
+        int | None, typer.Option(help="atoms of all structures of one request; above → 413")
+    ] = None,
     max_batch_atoms: Annotated[int | None, typer.Option(help="atom budget per device pass")] = None,
     max_batch_edges: Annotated[int | None, typer.Option(help="edge budget per device pass")] = None,
     batch_window_ms: Annotated[
@@ -94,6 +97,7 @@ def serve(
         "port": port,
         "api_key": api_key,
         "max_atoms": max_atoms,
+        "max_request_atoms": max_request_atoms,
         "max_batch_atoms": max_batch_atoms,
         "max_batch_edges": max_batch_edges,
         "batch_window_ms": batch_window_ms,

@@ -57,6 +57,7 @@ async def info(state: State, engine: EngineDep) -> Response:
         "execution": state.provenance["execution"],
         "limits": {
             "max_atoms": limits.max_atoms,
+            "max_request_atoms": state.settings.max_request_atoms,
             "max_batch_atoms": limits.max_batch_atoms,
             "max_batch_edges": limits.max_batch_edges,
             "batch_window_ms": limits.window_s * 1e3,

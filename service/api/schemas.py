@@ -267,6 +267,7 @@ class ErrorResponse(BaseModel):
 
 class Limits(BaseModel):
     max_atoms: int
+    max_request_atoms: int
     max_batch_atoms: int
     max_batch_edges: int
     batch_window_ms: float

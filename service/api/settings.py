@@ -87,7 +87,12 @@ class ServiceSettings(BaseSettings):
     max_queue: int = Field(
         default=1024, gt=0, description="queued requests; above → 503 Retry-After"
     )
-    max_body_mb: float = Field(default=512.0, gt=0, description="largest request body")
+    max_body_mb: float = Field(
+        default=256.0,
+        gt=0,
+        description="largest request body (a compact JSON body of max_request_atoms atoms is "
+        "~140 MB; parsing JSON holds the GIL and takes ~20× the body in memory)",
+    )
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="time allowed to receive a request body; above → 408"
     )

@@ -151,15 +151,21 @@ def _binary_array(
     if not (
         isinstance(shape, list)
         and 1 <= len(shape) <= 2
-        and all(type(n) is int and n >= 0 for n in shape)
+        and all(type(n) is int and 0 <= n < _MAX_ARRAY_DIM for n in shape)
     ):
-        raise _bad_array(field, f"shape must be a list of 1 or 2 sizes, got {shape!r}")
+        raise _bad_array(field, f"shape must be a list of 1 or 2 sizes below 2^31, got {shape!r}")
     array = np.frombuffer(data, dtype=dtype) if len(data) % np.dtype(dtype).itemsize == 0 else None
     if array is None or array.size != math.prod(shape):
         raise _bad_array(
             field, f"{len(data)} bytes of {dtype} do not make an array of shape {shape}"
         )
     return array.reshape(shape)
+
+
+_MAX_ARRAY_DIM = 2**31
+"""Bound of one size of a typed array: far above any request the server takes, and low enough
+that numpy can lay out the shape (a zero-size array may name sizes past its index range, and
+``reshape`` then fails)."""
 
 
 def _bad_array(field: str, message: str) -> ApiError:

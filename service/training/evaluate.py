@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,11 @@ def evaluate_model(
             _check_output_file(output, what)
     if parity_plot is not None and parity_plot.suffix.lower() != ".png":
         raise ValueError(f"the parity plot is written as PNG: give a .png path, not {parity_plot}")
+    if parity_plot is not None and not can_plot():
+        raise ValueError(
+            "the parity plot needs matplotlib, which this install lacks: "
+            "pip install 'so2serve[plot]'"
+        )
     potential = load_potential(model, device=device, path=path, precision=precision)
     dataset = load_dataset(list(data), type_map=type_map or potential.config.type_map)
     if all(f.energy is None and f.forces is None and f.virial is None for f in dataset):
@@ -265,6 +271,11 @@ def _check_output_file(path: Path, what: str) -> None:
         problem = "permission denied"
     if problem is not None:
         raise ValueError(f"cannot write the {what} to {path}: {problem}")
+
+
+def can_plot() -> bool:
+    """Whether matplotlib (the ``plot`` extra) is installed."""
+    return find_spec("matplotlib") is not None
 
 
 def write_parity_plot(parity: ParityData, path: Path, *, title: str = "") -> None:

@@ -28,6 +28,7 @@ from ase.md.velocitydistribution import Stationary
 from ase.md.verlet import VelocityVerlet
 
 from service.training.data import Frame, load_dataset
+from service.training.evaluate import can_plot
 
 __all__ = ["MDReport", "atoms_from_frame", "main", "run_nve"]
 
@@ -220,7 +221,10 @@ def main(
     payload = {"model": model, "data": str(data), **asdict(report)}
     (out / "md_check.json").write_text(json.dumps(payload, indent=2) + "\n")
     np.savez(out / "md_series.npz", **series)  # type: ignore[arg-type]
-    plot_energies(series, report, out / "md_energy.png")
+    if can_plot():
+        plot_energies(series, report, out / "md_energy.png")
+    else:
+        typer.echo("md_energy.png not drawn: pip install 'so2serve[plot]' for it", err=True)
     typer.echo(json.dumps(payload, indent=2))
 
 

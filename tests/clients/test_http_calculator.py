@@ -163,6 +163,14 @@ def test_the_api_key_is_sent_and_a_wrong_one_is_a_clear_401() -> None:
             assert info.value.code == "unauthorized"
 
 
+@pytest.mark.parametrize("key", ["clé", "k€y"])
+def test_a_non_ascii_api_key_is_accepted(key: str) -> None:
+    """The server compares the header's bytes with the key's UTF-8, so the client sends it so."""
+    settings = ServiceSettings(api_key=key)
+    with running_server(create_app(settings, evaluator=PairPotential())) as base:
+        assert SO2Calculator(base, api_key=key).get_potential_energy(small_molecule()) < 0
+
+
 @pytest.mark.parametrize("key", ["s3cret\n", "s3cret\r\n", "s3\tcret"])
 def test_an_api_key_with_a_line_break_is_refused_up_front(key: str) -> None:
     """A key read from a file keeps its newline; sent as is, it ends the request's headers

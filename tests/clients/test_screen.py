@@ -108,6 +108,16 @@ def test_screen_through_the_service(
     assert "0 evaluated, 0 failed, 10 already done" in again.output
 
 
+def test_screen_sends_a_non_ascii_api_key(tmp_path: Path) -> None:
+    path = tmp_path / "in.extxyz"
+    ase.io.write(path, water_frames(2))
+    settings = ServiceSettings(api_key=SecretStr("clé-€"))
+    with running_server(create_app(settings, evaluator=PairPotential())) as url:
+        out = tmp_path / "out"
+        options = ScreenOptions(output_dir=out, url=url, api_key="clé-€", progress=False)
+        assert screen([path], options).succeeded == 2
+
+
 def test_screen_in_process(inputs: list[Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     options = ScreenOptions(output_dir=out, progress=False, batch_structures=2)
@@ -330,6 +340,22 @@ def test_an_output_folder_that_is_a_file_is_reported(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["screen", str(path), "-o", str(path), "--no-progress"])
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and "File exists" in result.output
+
+
+def test_a_results_file_of_another_tool_is_left_alone(tmp_path: Path) -> None:
+    """An output folder holding results.extxyz but no journal was not written by screen:
+    resuming would cut every frame off, so the run stops and the file is kept."""
+    path = tmp_path / "in.extxyz"
+    ase.io.write(path, water_frames(1))
+    out = tmp_path / "out"
+    out.mkdir()
+    theirs = out / RESULTS_FILE
+    ase.io.write(theirs, water_frames(3))
+    before = theirs.read_bytes()
+    result = CliRunner().invoke(app, ["screen", str(path), "-o", str(out), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and JOURNAL_FILE in result.output
+    assert theirs.read_bytes() == before
 
 
 def test_input_metadata_is_carried_where_extxyz_holds_it(tmp_path: Path) -> None:

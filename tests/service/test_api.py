@@ -307,6 +307,7 @@ def test_size_limits(client: httpx.Client) -> None:
 def test_request_atom_limit_counts_every_structure() -> None:
     # Each structure is within max_atoms; together they are not.
     with serve(max_atoms=40, max_request_atoms=10) as (url, _), httpx.Client(base_url=url) as c:
+        assert c.get("/info").json()["limits"]["max_request_atoms"] == 10
         doc = request_document([small_molecule(), small_molecule("H2O")])  # 6 + 3 atoms
         assert c.post("/evaluate", json=doc).status_code == 200
         doc = request_document([small_molecule()] * 2)

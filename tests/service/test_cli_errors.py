@@ -123,6 +123,9 @@ def test_a_bad_environment_variable_is_named(
 
 def test_a_bad_flag_is_named_as_typed(served: list[object]) -> None:
     assert_one_line_error(serve("--max-atoms", "-1"), "--max-atoms", "greater than 0")
+    assert_one_line_error(
+        serve("--max-request-atoms", "0"), "--max-request-atoms", "greater than 0"
+    )
     assert_one_line_error(serve("--path", "banana"), "--path", "'auto', 'fused' or 'reference'")
 
 

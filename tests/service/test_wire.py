@@ -150,6 +150,16 @@ BAD_ARRAYS = [
     ("partial item", {"positions": {**F8_ATOM, "data": b"\x00" * 20}}, "positions"),
     ("shape not a list", {"positions": {**F8_ATOM, "shape": 3}}, "positions"),
     ("negative size", {"positions": {**F8_ATOM, "shape": [-1, -3]}}, "positions"),
+    (
+        "empty with a huge size",
+        {"positions": {**F8_ATOM, "shape": [2**62, 0], "data": b""}},
+        "positions",
+    ),
+    (
+        "empty species with a huge size",
+        {"species": {"dtype": "|u1", "shape": [2**63, 0], "data": b""}},
+        "species",
+    ),
     ("data as a list", {"positions": {**F8_ATOM, "data": [0.0, 0.0, 0.0]}}, "positions"),
     ("missing shape", {"positions": {"dtype": "<f8", "data": bytes(24)}}, "positions"),
     ("extra key", {"positions": {**F8_ATOM, "order": "C"}}, "positions"),

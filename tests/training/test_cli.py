@@ -150,6 +150,25 @@ def test_eval_of_a_model_predicting_nan_is_a_clean_error(
     assert "non-finite energy" in output
 
 
+def test_eval_plot_without_matplotlib_is_refused_up_front(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib is the ``plot`` extra: without it --plot is refused before any evaluation."""
+    import service.training.evaluate as evaluate
+    from service.model.potential import Potential
+
+    def never_called(self: Potential, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("evaluated before the plot was refused")
+
+    monkeypatch.setattr(evaluate, "can_plot", lambda: False)
+    monkeypatch.setattr(Potential, "predict", never_called)
+    system = write_water_system(tmp_path / "sys", 2, molecules=3, periodic=True)
+    code, output, exception = _cli("eval", "default", str(system), "--device", "cpu",
+                                   "--plot", str(tmp_path / "parity.png"))  # fmt: skip
+    _assert_clean_error(code, output, exception)
+    assert "so2serve[plot]" in output
+
+
 def test_eval_plot_path_must_be_png(tmp_path: Path) -> None:
     """Refused before any evaluation (it failed after the whole run, in matplotlib)."""
     system = write_water_system(tmp_path / "sys", 2, molecules=3, periodic=True)
