@@ -38,6 +38,12 @@ atom within 0.5 Å of its own image (nothing physical) and would make the image 
 explode; such cells are rejected as singular. A thin axis of a skewed basis alone is not: the
 reduced basis of that lattice is used instead."""
 
+MAX_NUMBER_DENSITY = 10.0
+"""Atoms per Å³: fifty times diamond's (0.18), the densest solid, so that even a relaxation or a
+compression run that squeezes a cell far past anything physical is still answered. A fully
+periodic cell denser than this is a unit mistake (a cell in nm around positions in Å is ~1000×
+too dense), whose neighbour count would be as many times too large."""
+
 MAX_COORDINATE = 1.0e7
 """Å. Largest accepted |coordinate| of a position or a lattice vector. Far beyond any physical
 system, yet small enough that float64 keeps positions and their differences to ~1e-9 Å, and
@@ -128,6 +134,8 @@ class Structures:
             z = _validate_numbers(item.numbers, field, index)
             x = _validate_positions(item.positions, len(z), field, index)
             cell, pbc = _validate_cell_pbc(item.cell, item.pbc, field, index)
+            if pbc.all():
+                _check_density(len(z), cell, field, index)
             total += len(z)
             if max_atoms is not None and total > max_atoms:
                 raise InvalidStructureError(
@@ -380,6 +388,21 @@ def _validate_cell_pbc(
     if pbc.any():
         cell = _usable_lattice(cell, pbc, field, index)
     return cell, pbc
+
+
+def _check_density(n_atoms: int, cell: NDArray[np.float64], field: str, index: int) -> None:
+    """Refuse a fully periodic cell denser than ``MAX_NUMBER_DENSITY`` (a usable lattice)."""
+    rows = cell.tolist()
+    volume = abs(sum(a * f for a, f in zip(rows[0], _cross3(rows[1], rows[2]), strict=True)))
+    density = n_atoms / volume
+    if density > MAX_NUMBER_DENSITY:
+        raise InvalidStructureError(
+            "unphysical_density",
+            f"{n_atoms} atoms in a {volume:.3g} Å³ cell is {density:.3g} atoms/Å³, above "
+            f"{MAX_NUMBER_DENSITY} (fifty times diamond's); are the cell and positions both in Å?",
+            field=f"{field}.cell",
+            index=index,
+        )
 
 
 def _parse_cell(raw: object, field: str, index: int) -> NDArray[np.float64] | None:

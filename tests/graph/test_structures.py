@@ -71,6 +71,7 @@ def _error(items: list[StructureArrays], **kwargs: Any) -> InvalidStructureError
         ({"cell": np.diag([1e-200] * 3)}, "singular_cell", "cell"),
         ({"cell": np.diag([5.0, 5.0, 1e-200])}, "singular_cell", "cell"),
         ({"cell": np.diag([1e200] * 3)}, "bad_cell", "cell"),
+        ({"cell": np.diag([0.6, 0.6, 0.5])}, "unphysical_density", "cell"),  # a cell in nm
         ({"numbers": np.array([8, 1, 2**64 - 1], dtype=np.uint64)}, "unknown_element", "numbers"),
         ({"cell": [[5, 0], [0, 5]]}, "bad_cell", "cell"),
         ({"cell": None, "pbc": True}, "bad_pbc", "pbc"),
@@ -124,6 +125,16 @@ def test_a_thin_lattice_is_rejected_in_every_basis() -> None:
     """Reduction cannot rescue a lattice whose own plane spacing is below 0.5 Å."""
     thin = np.array([[1, 7, 0], [0, 1, 0], [0, 0, 1]], dtype=float) @ np.diag([5.0, 0.3, 5.0])
     assert _error([_item(cell=thin)]).code == "singular_cell"
+
+
+def test_density_limit_applies_to_fully_periodic_cells_only() -> None:
+    """A slab's cell volume says nothing about its density; a bulk cell's does."""
+    dense = np.diag([0.6, 0.6, 0.5])
+    assert "atoms/Å³" in _error([_item(cell=dense)]).message
+    slab = Structures.from_arrays([_item(cell=dense, pbc=[True, True, False])])
+    assert slab.n_atoms == 3
+    limit = Structures.from_arrays([_item(cell=np.diag([0.6, 0.5, 1.0]))])  # exactly 10 atoms/Å³
+    assert limit.n_atoms == 3
 
 
 def test_huge_atomic_numbers_are_reported_unwrapped() -> None:
