@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|sweep-triton|overlay-ab|resweep-bar|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|sweep-triton|sweep-triton-rest|triton-grid|overlay-ab|resweep-bar|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks: benchmarks/gpu_wheels.sh).
 set -uo pipefail
@@ -79,6 +79,18 @@ case "$topic" in
   sweep-triton)  # under the packed Triton: the bar shape's fp16x3 tiles swept into its table overlay, then the bar's fast tier with it (~7 min)
     STEP_S=500 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile \
       --only fused_fast --sweep --sweep-cases bar --sweep-precisions fp16x3
+    ;;
+  sweep-triton-rest)  # under the packed Triton: fp16x3 tiles of the grid shapes its overlay lacks (Cf 64 / lmax 3; ~2.5 min per shape) swept into it (~8.5 min)
+    STEP_S=540 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --only fused_fast \
+      --sweep --sweep-cases all --sweep-precisions fp16x3 --sweep-skip-tuned
+    ;;
+  triton-grid)  # under the packed Triton, after sweep-triton-rest: the stack grid's fused tiers, then the image's Triton's fast tier beside it, the kernel sets re-recorded and their cover checked, the fast tier's realistic-size tests (~9 min)
+    STEP_S=200 run python3 benchmarks/kernels_mixing_stack.py --cases all --no-compile --only fused_exact fused_fast
+    PYTHONPATH=${PYTHONPATH#"$tsite":} STEP_S=100 run python3 benchmarks/kernels_mixing_stack.py \
+      --cases all --no-compile --only fused_fast
+    STEP_S=${COLD_S:-130} run python3 benchmarks/cold_start.py --scenarios record --precisions fp32 fp16x3 --workloads water-192 --repeats 1
+    STEP_S=100 run python3 -m pytest -q -m gpu tests/service/test_warm_up.py -k "cover_the_warm_up or local_calculator_compiles"
+    STEP_S=90 run python3 -m pytest -q -m gpu tests/kernels/test_mixing_stack.py -k "realistic and fp16x3"
     ;;
   resweep-bar)  # the bar shape's fp16x3 tiles swept again under the running Triton (base table or its release's overlay), then the fast tier on the tables before and after, alternating (~5 min)
     before=/tmp/stack_tiles_before.json

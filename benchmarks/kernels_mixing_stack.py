@@ -354,7 +354,8 @@ def sweep(
     Kinds are tuned in order (block GEMMs by the forward time; the gate GEMMs, which the
     backward launches too, and the backward by the fwd+bwd time), each with the winners so far
     in place. Entries of tiers not swept this time are kept from the existing table;
-    ``skip_tuned`` also leaves alone every shape whose entries of the swept tiers all exist.
+    ``skip_tuned`` also leaves alone every shape whose entries of the swept tiers all exist in
+    the file this sweep writes (under another release: its overlay, not the base it inherits).
 
     Under the Triton release the base table was swept with (or with no base table yet) the
     winners go into the base table; under another release they go into that release's overlay,
@@ -374,15 +375,7 @@ def sweep(
         fewest[shape] = min(fewest.get(shape, c.n_focus), c.n_focus)
     shapes = sorted((lmax, focus_dim, n_focus) for (lmax, focus_dim), n_focus in fewest.items())
     if skip_tuned:
-        shapes = [
-            (lmax, focus_dim, n_focus)
-            for lmax, focus_dim, n_focus in shapes
-            if not all(
-                table_key(kind, focus_dim, lmax, tier) in table
-                for tier in precisions
-                for kind in _KINDS[tier]
-            )
-        ]
+        shapes = _untuned(shapes, set(table) if kept is None else kept, precisions)
     for lmax, focus_dim, n_focus in shapes:
         case = Case(f"sweep_l{lmax}_cf{focus_dim}", lmax, focus_dim, n_focus, n_edge)
         ops = make_operands(case, seed=1)
@@ -409,6 +402,22 @@ def sweep(
     del os.environ["SO2_STACK_TABLE"]
     _write_table(out_path, _written(table, kept, swept), swept_meta)
     return out_path
+
+
+def _untuned(
+    shapes: list[tuple[int, int, int]], own: set[str], precisions: list[StackPrecision]
+) -> list[tuple[int, int, int]]:
+    """The (lmax, Cf, F) shapes that lack an entry in ``own`` (the keys of the file the sweep
+    writes) for some kind of a swept tier."""
+    return [
+        (lmax, focus_dim, n_focus)
+        for lmax, focus_dim, n_focus in shapes
+        if not all(
+            table_key(kind, focus_dim, lmax, tier) in own
+            for tier in precisions
+            for kind in _KINDS[tier]
+        )
+    ]
 
 
 def _sweep_target(device_name: str) -> tuple[Path, set[str] | None]:

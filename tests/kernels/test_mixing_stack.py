@@ -638,7 +638,7 @@ def test_tile_table_overlay_of_the_running_triton_release(
         assert mixing_stack_kernels._load_table(device) == expected
     mixing_stack_kernels._load_table.cache_clear()
 
-    from benchmarks.kernels_mixing_stack import _sweep_target, _written
+    from benchmarks.kernels_mixing_stack import _sweep_target, _untuned, _written
 
     # A sweep under the base table's release rewrites the base; under another, its overlay,
     # which keeps its own entries and gains the swept ones (never copies of the base's).
@@ -650,6 +650,13 @@ def test_tile_table_overlay_of_the_running_triton_release(
     assert kept == set()
     swept = {"fwd|cf128|l2|fp16x3": [128, 128, 64, 8, 3]}
     assert _written({**base, **swept}, kept, set(swept)) == swept
+    # --sweep-skip-tuned under another release skips only the shapes its overlay holds: the
+    # base's entries were swept under a release that schedules the kernels differently.
+    fast = [StackPrecision.FAST]
+    own = {f"{kind}|cf128|l2|fp16x3" for kind in ("fwd", "gate", "gbwd", "bwd", "fbwd")}
+    shapes = [(2, 128, 1), (2, 64, 1), (3, 128, 1)]
+    assert _untuned(shapes, own, fast) == [(2, 64, 1), (3, 128, 1)]
+    assert _untuned(shapes, set(), fast) == shapes
 
 
 @pytest.mark.slow
