@@ -233,7 +233,10 @@ def test_screen_summary_line_is_not_wrapped(
 
 def test_ctrl_c_stops_screen_with_one_line_and_the_run_resumes(tmp_path: Path) -> None:
     inputs = tmp_path / "in.extxyz"
-    ase.io.write(inputs, [small_molecule("H2O", seed=k) for k in range(12)])
+    # Enough structures that the run outlasts a starved test process (~8 s at 0.2 s each):
+    # the signal must land mid-run.
+    n_structures = 40
+    ase.io.write(inputs, [small_molecule("H2O", seed=k) for k in range(n_structures)])
     out = tmp_path / "out"
     potential = PairPotential(delay_s=0.2)
     with running_server(create_app(ServiceSettings(), evaluator=potential)) as url:
@@ -259,7 +262,7 @@ def test_ctrl_c_stops_screen_with_one_line_and_the_run_resumes(tmp_path: Path) -
         potential.delay_s = 0.0
         again = CliRunner().invoke(app, args)
     assert again.exit_code == 0, again.output
-    assert f"{12 - done} evaluated, 0 failed, {done} already done" in again.output
+    assert f"{n_structures - done} evaluated, 0 failed, {done} already done" in again.output
 
 
 @pytest.fixture
