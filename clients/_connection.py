@@ -58,8 +58,12 @@ SAME_SIZE = 0.1
 DUE_SMOOTHING = 0.3
 """Weight of a later answer in the predicted answer time (an earlier one replaces it)."""
 
+CONNECT_TIMEOUT_S = 10.0
+"""Longest wait for a connection: a firewalled or mistyped host fails in seconds, not after the
+(long) answer timeout times every retry."""
 SELECT_FD_LIMIT = 1024
-"""``select`` cannot watch descriptors from FD_SETSIZE on: such a connection does not spin."""
+"""``select`` cannot watch descriptors from FD_SETSIZE on: such a connection waits in ``poll``
+(millisecond timeouts) and does not spin."""
 
 
 class TransportError(Exception):
@@ -101,7 +105,8 @@ class KeepAliveConnection:
 
     Args:
         url: base URL; request paths are appended to its path.
-        timeout: seconds for connecting and for each blocking socket operation.
+        timeout: seconds for each blocking socket operation (connecting: at most
+            ``CONNECT_TIMEOUT_S``).
         headers: sent with every request (e.g. ``Accept``, ``X-API-Key``).
         spin_lead_s: poll for the answer from this long before it is due instead of
             sleeping through the wait (module docstring); 0 sleeps.
@@ -237,7 +242,9 @@ class KeepAliveConnection:
         if self._socket is not None and _peer_closed(self._socket):
             self.close()
         if self._socket is None or self._reader is None:
-            sock = socket.create_connection((self._host, self._port), timeout=self._timeout)
+            address = (self._host, self._port)
+            sock = socket.create_connection(address, min(self._timeout, CONNECT_TIMEOUT_S))
+            sock.settimeout(self._timeout)
             # Small requests must not wait for the previous segment's ACK (Nagle).
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls:
@@ -258,17 +265,22 @@ def _header_lines(headers: Mapping[str, str]) -> bytes:
 
 
 def _readable(sock: socket.socket, timeout_s: float) -> bool:
-    """Whether ``sock`` has bytes (or EOF) to read, waiting up to ``timeout_s`` (0: a poll)."""
-    readable, _, _ = select.select([sock], [], [], max(0.0, timeout_s))
-    return bool(readable)
+    """Whether ``sock`` has bytes (or EOF) to read, waiting up to ``timeout_s`` (0: a poll).
+
+    ``select`` (microsecond timeouts, which the spin's sleep needs) below FD_SETSIZE; past it
+    ``poll``, as a process holding many files (NEB images, thread pools) hands out such
+    descriptors and ``select`` refuses them."""
+    if sock.fileno() < SELECT_FD_LIMIT or not hasattr(select, "poll"):
+        readable, _, _ = select.select([sock], [], [], max(0.0, timeout_s))
+        return bool(readable)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(max(0.0, timeout_s) * 1e3))
 
 
 def _peer_closed(sock: socket.socket) -> bool:
     """An idle HTTP/1.1 connection is readable only if the server closed it (EOF)."""
-    if sock.fileno() < 0:
-        return True
-    readable, _, _ = select.select([sock], [], [], 0)
-    return bool(readable)
+    return sock.fileno() < 0 or _readable(sock, 0.0)
 
 
 def _early_answer(reader: io.BufferedReader) -> Reply | None:

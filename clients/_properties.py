@@ -10,7 +10,7 @@ from collections.abc import Collection
 from typing import Any
 
 from ase import Atoms
-from ase.calculators.calculator import Calculator, PropertyNotImplementedError
+from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 
 IMPLEMENTED_PROPERTIES = ["energy", "free_energy", "forces", "stress", "energies"]
 
@@ -41,6 +41,26 @@ class SerialCalculator(Calculator):
         with self._calls:
             base = super().calculate_properties  # untyped in ASE
             return base(atoms, properties)  # type: ignore[no-untyped-call]
+
+    def calculate(
+        self,
+        atoms: Atoms | None = None,
+        properties: Collection[str] = ("energy",),
+        system_changes: Collection[str] = all_changes,
+    ) -> None:
+        super().calculate(atoms, properties, system_changes)  # type: ignore[no-untyped-call]
+        assert self.atoms is not None  # set by Calculator.calculate
+        # ASE has already stored the new atoms: a failed evaluation that left the last results
+        # in place would hand the previous structure's energy and forces to the next question.
+        try:
+            self.results = self.evaluate(self.atoms, properties_to_compute(self.atoms, properties))
+        except BaseException:
+            self.reset()  # type: ignore[no-untyped-call]
+            raise
+
+    def evaluate(self, atoms: Atoms, wanted: frozenset[str]) -> dict[str, Any]:
+        """ASE's results for ``atoms``: the properties ``wanted`` (``properties_to_compute``)."""
+        raise NotImplementedError
 
     def __getstate__(self) -> dict[str, Any]:  # a lock does not pickle: a copy gets its own
         state = self.__dict__.copy()

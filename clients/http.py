@@ -24,10 +24,10 @@ import msgpack
 import numpy as np
 import orjson
 from ase import Atoms
-from ase.calculators.calculator import CalculationFailed, all_changes
+from ase.calculators.calculator import CalculationFailed
 
 from clients._connection import AnswerTimeout, KeepAliveConnection, Reply, TransportError
-from clients._properties import IMPLEMENTED_PROPERTIES, SerialCalculator, properties_to_compute
+from clients._properties import IMPLEMENTED_PROPERTIES, SerialCalculator
 
 WireChoice = Literal["json", "msgpack"]
 _JSON = "application/json"
@@ -100,9 +100,10 @@ def decode_response(content: bytes, media_type: str) -> dict[str, Any]:
 def result_arrays(result: Mapping[str, Any]) -> dict[str, Any]:
     """A result of either wire format as float64 numpy arrays.
 
-    msgpack ``bin`` values become read-only views (``np.frombuffer``, no copy; ASE hands out
-    copies of results anyway); JSON lists are flattened in C (``np.fromiter``), several times
-    faster than ``np.asarray`` on nested lists.
+    msgpack ``bin`` values are copied out of the message (a microsecond at thousands of atoms),
+    so that results are writable arrays whichever the wire, as they are in process; JSON lists
+    are flattened in C (``np.fromiter``), several times faster than ``np.asarray`` on nested
+    lists.
     """
     n_atoms = int(result["n_atoms"])
     shapes = {"forces": (n_atoms, 3), "energies": (n_atoms,), "stress": (6,), "virial": (3, 3)}
@@ -113,7 +114,7 @@ def result_arrays(result: Mapping[str, Any]) -> dict[str, Any]:
             continue
         size = math.prod(shape)
         if isinstance(value, bytes):
-            flat = np.frombuffer(value, dtype=_FLOAT64_LE, count=size)
+            flat = np.frombuffer(value, dtype=_FLOAT64_LE, count=size).copy()
         else:
             items = itertools.chain.from_iterable(value) if len(shape) == 2 else value
             flat = np.fromiter(items, dtype=np.float64, count=size)
@@ -163,8 +164,9 @@ class SO2Calculator(SerialCalculator):
     Args:
         url: base URL of the service.
         api_key: sent as ``X-API-Key`` (default: none).
-        timeout: seconds for connecting and for the answer to one request (a request
-            without an answer in time fails with code ``timeout``, not resent).
+        timeout: seconds for the answer to one request (a request without an answer in
+            time fails with code ``timeout``, not resent); connecting waits at most
+            ``CONNECT_TIMEOUT_S`` (10 s) of it.
         wire: ``"msgpack"`` (raw binary arrays both ways) or ``"json"``.
         retries: attempts after the first on transient failures (no connection, 502/503/504).
         backoff_s: first retry delay, doubled each attempt.
@@ -212,16 +214,7 @@ class SO2Calculator(SerialCalculator):
         self.provenance: dict[str, Any] | None = None
         self._http = KeepAliveConnection(url, timeout, headers, spin_lead_s=spin_lead_ms * 1e-3)
 
-    def calculate(
-        self,
-        atoms: Atoms | None = None,
-        properties: Collection[str] = ("energy",),
-        system_changes: Collection[str] = all_changes,
-    ) -> None:
-        super().calculate(atoms, properties, system_changes)  # type: ignore[no-untyped-call]
-        atoms = self.atoms
-        assert atoms is not None  # set by Calculator.calculate
-        wanted = properties_to_compute(atoms, properties)
+    def evaluate(self, atoms: Atoms, wanted: frozenset[str]) -> dict[str, Any]:
         binary = self.wire == "msgpack"
         body = encode_request([encode_structure(atoms, binary)], wanted, binary)
         reply = self._request("POST", "/evaluate", body, _MSGPACK if binary else _JSON)
@@ -231,7 +224,7 @@ class SO2Calculator(SerialCalculator):
         except UNDECODABLE as exc:
             raise bad_response(self.url, reply.status, reply.content, exc) from exc
         self.provenance = document.get("provenance")
-        self.results = {
+        return {
             "energy": result["energy"],
             "free_energy": result["energy"],
             **{k: result[k] for k in ("forces", "stress", "energies") if k in result},

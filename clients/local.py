@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from ase import Atoms
-from ase.calculators.calculator import CalculationFailed, all_changes
+from ase.calculators.calculator import CalculationFailed
 
-from clients._properties import IMPLEMENTED_PROPERTIES, SerialCalculator, properties_to_compute
+from clients._properties import IMPLEMENTED_PROPERTIES, SerialCalculator
 from service.engine.evaluator import Evaluator
 from service.engine.kernel_sets import preload_recorded_kernels
 from service.graph.structures import Structures
@@ -62,26 +61,17 @@ class SO2LocalCalculator(SerialCalculator):
         else:
             self.potential = model
 
-    def calculate(
-        self,
-        atoms: Atoms | None = None,
-        properties: Collection[str] = ("energy",),
-        system_changes: Collection[str] = all_changes,
-    ) -> None:
-        super().calculate(atoms, properties, system_changes)  # type: ignore[no-untyped-call]
-        atoms = self.atoms
-        assert atoms is not None  # set by Calculator.calculate
-        wanted = properties_to_compute(atoms, properties)
+    def evaluate(self, atoms: Atoms, wanted: frozenset[str]) -> dict[str, Any]:
         prediction = self.potential.predict(Structures.from_atoms([atoms]), wanted)
         energy = float(prediction.energy[0])
-        self.results = {"energy": energy, "free_energy": energy}
+        results: dict[str, Any] = {"energy": energy, "free_energy": energy}
         if prediction.forces is not None:
-            self.results["forces"] = _host(prediction.forces)
+            results["forces"] = _host(prediction.forces)
         if "stress" in wanted and prediction.stress is not None:
-            self.results["stress"] = _host(prediction.stress[0])
+            results["stress"] = _host(prediction.stress[0])
         if "energies" in wanted and prediction.energies is not None:
-            self.results["energies"] = _host(prediction.energies)
-        bad = non_finite_fields({k: np.asarray(v) for k, v in self.results.items()})
+            results["energies"] = _host(prediction.energies)
+        bad = non_finite_fields({k: np.asarray(v) for k, v in results.items()})
         if bad:
-            self.results = {}
             raise CalculationFailed(f"the model returned non-finite {', '.join(bad)}")
+        return results

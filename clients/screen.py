@@ -9,11 +9,12 @@
   thread while the first batches are evaluated.
 * Outputs in the output folder:
   ``results.extxyz`` (one frame per evaluated structure, in completion order, with energy,
-  forces, stress when periodic, and ``screen_id``/``source``/``frame`` in the info line; the
-  input's own info entries and per-atom arrays that extxyz can hold unchanged come along, a
-  reference ``energy``/``free_energy``/``stress``/``forces`` of the input as ``input_<name>``),
-  ``summary.csv`` (one row per structure, in input order: status, energy, energy per atom,
-  max force, error), ``journal.jsonl`` (the resume log).
+  forces, stress when periodic, and ``screen_id``/``source``/``frame``/``model``/
+  ``model_hash`` in the info line; the input's own info entries and per-atom arrays that
+  extxyz can hold unchanged come along, one under a name of ours (a reference ``energy`` or
+  ``forces`` of the input, its own ``source``) as ``input_<name>``), ``summary.csv`` (one row
+  per structure, in input order: status, energy, energy per atom, max force on the atoms free
+  to move, error), ``journal.jsonl`` (the resume log, with the model of every result).
 * Failures: transient ones (connection, 502/503/504) are retried with exponential backoff; a
   batch without an answer within the timeout is not sent again (the server may still be
   computing it): its structures are recorded as failed with code ``timeout``. A
@@ -21,7 +22,11 @@
   batch is resubmitted, so one bad structure costs nothing else; its row's message is about it
   alone (no place in a batch). Authentication and addressing errors (401/403/404/415, 501
   from a server that takes no POST) abort the run, and so does a service that stays
-  unreachable through every retry (no structure's fault: the same command resumes the run).
+  unreachable or unavailable through every retry (no structure's fault: the same command
+  resumes the run).
+* One folder, one run, one model: a lock file keeps a second run out of a folder being
+  written, and a resumed run whose evaluator answers with another model than the folder's
+  results stops before writing any.
 * Resume: every finished structure is appended to ``results.extxyz`` and flushed, then
   journalled with the byte offset where its frame ends. On restart the journal is read, the
   extxyz is cut back to the last journalled frame (dropping a frame half-written when the run
@@ -43,7 +48,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import ase.io
 import httpx
@@ -58,12 +63,13 @@ from rich.progress import (
     Progress,
     ProgressColumn,
     Task,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
 )
 from rich.text import Text
 
-from clients._connection import split_service_url
+from clients._connection import CONNECT_TIMEOUT_S, split_service_url
 from clients.http import (
     TRANSIENT_STATUS,
     UNDECODABLE,
@@ -84,11 +90,17 @@ PROPERTIES = ("energy", "forces", "stress")
 RESULTS_FILE = "results.extxyz"
 SUMMARY_FILE = "summary.csv"
 JOURNAL_FILE = "journal.jsonl"
+LOCK_FILE = ".screen.lock"
+PLAIN_PROGRESS_S = 30.0
+"""Seconds between the progress lines written where stderr is not a terminal (a batch job's
+log, which a live bar reaches only at the end)."""
 READ_CHUNK = 64
 """Frames parsed per hand-over from the reading thread."""
 
 _FATAL_STATUS = frozenset((401, 403, 404, 405, 415, 501))  # 501: a server without POST
 _NO_CONNECTION = (httpx.ConnectError, httpx.ConnectTimeout)
+_ID_KEYS = ("screen_id", "source", "frame", "model", "model_hash")
+"""info keys of the frames written: an input's own entry under one of them is kept as input_*."""
 _STRUCTURE_FIELD = re.compile(r"^structures\[(\d+)\]")
 
 
@@ -126,6 +138,10 @@ class ScreenAborted(RuntimeError):
     """A failure that no retry or skip can fix (wrong key or URL); the run stops."""
 
 
+ModelIdentity = dict[str, str]
+"""``name``, ``sha256`` and ``precision`` of the model that answered (journalled per entry)."""
+
+
 @dataclass(frozen=True)
 class _Item:
     id: str
@@ -139,6 +155,7 @@ class _Outcome:
     item: _Item
     result: dict[str, Any] | None  # energy, forces, stress (numpy) when it succeeded
     error: tuple[str, str] | None = None  # (code, message) when it failed
+    model: ModelIdentity | None = None  # the model that computed ``result``
 
 
 class _Rejected(Exception):
@@ -150,7 +167,7 @@ class _Rejected(Exception):
 
 
 class _GaveUp(Exception):
-    """No answer for the batch: transient failures through every retry, or none in time."""
+    """No answer for the batch in time: its structures fail (``--retry-failed`` reruns them)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -158,7 +175,9 @@ class _GaveUp(Exception):
 
 
 class _Backend(Protocol):
-    async def evaluate(self, atoms: list[Atoms]) -> list[dict[str, Any]]: ...
+    async def evaluate(self, atoms: list[Atoms]) -> tuple[list[dict[str, Any]], ModelIdentity]:
+        """Results per structure, and the model that computed them."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -197,32 +216,45 @@ class _HttpBackend:
         self._options = options
         self._client = httpx.AsyncClient(
             base_url=_service_url(options.url),
-            timeout=options.timeout_s,
+            timeout=httpx.Timeout(
+                options.timeout_s, connect=min(options.timeout_s, CONNECT_TIMEOUT_S)
+            ),
             headers=headers,
             limits=httpx.Limits(max_connections=options.concurrency),
+            # As the ASE calculator: no http_proxy from the environment (HPC login nodes set
+            # one, and it took even 127.0.0.1 to the proxy).
+            trust_env=False,
         )
 
-    def _results(self, response: httpx.Response, n_structures: int) -> list[dict[str, Any]]:
-        """A 2xx answer's results; anything but one so2serve result per structure sent stops
-        the run (every batch would meet the same service)."""
+    def _results(
+        self, response: httpx.Response, n_structures: int
+    ) -> tuple[list[dict[str, Any]], ModelIdentity]:
+        """A 2xx answer's results and model; anything but one so2serve result per structure
+        sent stops the run (every batch would meet the same service)."""
         try:
             document = decode_response(
                 response.content, response.headers.get("content-type", "application/json")
             )
             results = [result_arrays(r) for r in document["results"]]
+            if len(results) != n_structures:
+                raise ScreenAborted(
+                    f"{self._options.url} answered {len(results)} result(s) for {n_structures} "
+                    "structure(s): not an so2serve answer"
+                )
+            provenance = document["provenance"]
+            model = {
+                "name": str(provenance["model"]["name"]),
+                "sha256": str(provenance["model"]["sha256"]),
+                "precision": str(provenance["execution"]["precision"]),
+            }
         except UNDECODABLE as exc:
             error = bad_response(
                 str(self._options.url), response.status_code, response.content, exc
             )
             raise ScreenAborted(str(error)) from exc
-        if len(results) != n_structures:
-            raise ScreenAborted(
-                f"{self._options.url} answered {len(results)} result(s) for {n_structures} "
-                "structure(s): not an so2serve answer"
-            )
-        return results
+        return results, model
 
-    async def evaluate(self, atoms: list[Atoms]) -> list[dict[str, Any]]:
+    async def evaluate(self, atoms: list[Atoms]) -> tuple[list[dict[str, Any]], ModelIdentity]:
         body = encode_request([encode_structure(a, binary=True) for a in atoms], PROPERTIES, True)
         retries = self._options.retries
         for attempt in range(retries + 1):
@@ -239,15 +271,14 @@ class _HttpBackend:
                     f"{len(atoms)} structure(s); not sent again (--retry-failed reruns it)",
                 ) from exc
             except httpx.TransportError as exc:
-                if attempt == retries and isinstance(exc, _NO_CONNECTION):
+                if attempt == retries:
                     # No structure's fault, and every other batch would go the same way.
+                    how = "unreachable" if isinstance(exc, _NO_CONNECTION) else "failing"
                     raise ScreenAborted(
-                        f"so2serve at {self._options.url} unreachable after {retries} retries "
+                        f"so2serve at {self._options.url} {how} after {retries} retries "
                         f"({type(exc).__name__}: {exc}); run the same command again to resume "
                         "once it is up"
                     ) from None
-                if attempt == retries:
-                    raise _GaveUp("unreachable", f"{type(exc).__name__}: {exc}") from exc
                 await asyncio.sleep(retry_delay(attempt, self._options.backoff_s, None))
                 continue
             if 200 <= response.status_code < 300:
@@ -266,7 +297,13 @@ class _HttpBackend:
             if response.status_code not in TRANSIENT_STATUS:
                 raise _Rejected(error.code, str(error), _structure_index(error.detail))
             if attempt == retries:
-                raise _GaveUp(error.code, str(error))
+                # A restarting or saturated service (or a proxy before it): no structure's
+                # fault, so nothing is journalled as failed and the same command resumes.
+                raise ScreenAborted(
+                    f"{error} (after {retries} retries); run the same command again to resume "
+                    "once the service answers (a proxy's 504 on big batches: lower "
+                    "--batch-atoms)"
+                )
             delay = retry_delay(
                 attempt, self._options.backoff_s, response.headers.get("retry-after")
             )
@@ -285,8 +322,15 @@ class _EngineBackend:
     def __init__(self, evaluators: Sequence[Evaluator]) -> None:
         self._evaluators = list(evaluators)
         self._engine: Engine | None = None
+        info = self._evaluators[0].info()
+        execution = info.get("execution") or {}
+        self._model = {
+            "name": str(info.get("name", "")),
+            "sha256": str(info.get("sha256", "")),
+            "precision": str(execution.get("precision", "")),
+        }
 
-    async def evaluate(self, atoms: list[Atoms]) -> list[dict[str, Any]]:
+    async def evaluate(self, atoms: list[Atoms]) -> tuple[list[dict[str, Any]], ModelIdentity]:
         from service.engine.errors import EngineError
         from service.graph.errors import InvalidStructureError
         from service.graph.structures import Structures
@@ -305,7 +349,7 @@ class _EngineBackend:
             if result.stress is not None and a.pbc.all():
                 row["stress"] = result.stress[b]
             out.append(row)
-        return out
+        return out, self._model
 
     async def _running(self) -> Engine:
         if self._engine is None:
@@ -343,10 +387,12 @@ class _ResultStore:
 
     def __init__(self, output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = _hold_folder(output_dir)
         self.results_path = output_dir / RESULTS_FILE
         self.summary_path = output_dir / SUMMARY_FILE
         self._journal_path = output_dir / JOURNAL_FILE
         self.entries = self._recover()
+        self.model = next((e["model"] for e in self.entries.values() if "model" in e), None)
         self._results = self.results_path.open("ab")
         self._journal = self._journal_path.open("a", encoding="utf-8")
 
@@ -386,6 +432,8 @@ class _ResultStore:
 
     def record(self, outcome: _Outcome) -> None:
         item = outcome.item
+        if outcome.model is not None:
+            self._check_model(outcome.model)
         entry: dict[str, Any] = {
             "id": item.id,
             "source": item.source,
@@ -394,13 +442,15 @@ class _ResultStore:
             "n_atoms": len(item.atoms),
         }
         if outcome.result is not None:
-            self._results.write(_extxyz_frame(item, outcome.result))
+            assert outcome.model is not None
+            self._results.write(_extxyz_frame(item, outcome.result, outcome.model))
             self._results.flush()
             forces = outcome.result.get("forces")
             entry |= {
                 "status": "ok",
                 "energy": outcome.result["energy"],
-                "fmax": None if forces is None else float(np.linalg.norm(forces, axis=1).max()),
+                "fmax": None if forces is None else _fmax(item.atoms, forces),
+                "model": outcome.model,
                 "xyz_end": self._results.tell(),
             }
         else:
@@ -409,6 +459,19 @@ class _ResultStore:
         self._journal.write(json.dumps(entry) + "\n")
         self._journal.flush()
         self.entries[item.id] = entry
+
+    def _check_model(self, model: ModelIdentity) -> None:
+        """Every result of one output folder comes from one model: a run resumed against
+        another (a server restarted on a retrained file) stops before mixing them."""
+        if self.model is None:
+            self.model = model
+        elif (model["name"], model["sha256"]) != (self.model["name"], self.model["sha256"]):
+            raise ScreenAborted(
+                f"the results in {self.results_path.parent} come from model "
+                f"{_model_label(self.model)}, but this run's evaluator answers with "
+                f"{_model_label(model)}; choose another --out folder, or screen with the "
+                "model the run began with"
+            )
 
     def write_summary(self, sources: Sequence[str]) -> None:
         """Rows in input order: by source (``sources``, as :func:`_distinct_sources` gives
@@ -459,17 +522,57 @@ class _ResultStore:
     def close(self) -> None:
         self._results.close()
         self._journal.close()
+        self._lock.close()
+
+
+def _hold_folder(output_dir: Path) -> IO[bytes]:
+    """An exclusive lock on ``output_dir`` for this run (held while the returned file stays
+    open): a second run into the same folder (a requeued cluster job) would rewrite the journal
+    the first is appending to, losing its entries."""
+    lock = (output_dir / LOCK_FILE).open("ab")
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks of this kind; the folder is not guarded
+        return lock
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ScreenAborted(
+            f"another so2serve screen is writing to {output_dir}; wait for it to finish or "
+            "choose another --out folder"
+        ) from None
+    return lock
+
+
+def _model_label(model: ModelIdentity) -> str:
+    return f"{model['name'] or '(unnamed)'} (sha256 {model['sha256'][:12]})"
+
+
+def _fmax(atoms: Atoms, forces: np.ndarray) -> float:
+    """The largest force on an atom free to move, as ASE's optimisers measure it: forces with
+    the structure's constraints applied (fixed atoms count zero)."""
+    adjusted = np.array(forces, dtype=np.float64)
+    for constraint in atoms.constraints:
+        constraint.adjust_forces(atoms, adjusted)
+    return float(np.linalg.norm(adjusted, axis=1).max())
 
 
 def _fmt(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
 
-def _extxyz_frame(item: _Item, result: dict[str, Any]) -> bytes:
+def _extxyz_frame(item: _Item, result: dict[str, Any], model: ModelIdentity) -> bytes:
     """The structure with its results as one extxyz frame, carrying the input's own ``info``
     and per-atom arrays where extxyz can hold them unchanged (:func:`_portable_metadata`);
     if ASE still cannot write them, the frame carries the structure and its ids alone."""
     ids = {"screen_id": item.id, "source": item.source, "frame": item.frame}
+    # An empty string would not read back (ASE writes it as nothing), and a bare hex digest
+    # may read back as a number: "sha256:<hex>".
+    if model["name"]:
+        ids["model"] = model["name"]
+    if model["sha256"]:
+        ids["model_hash"] = f"sha256:{model['sha256']}"
     atoms = item.atoms
     bare = Atoms(atoms.numbers, atoms.positions, cell=atoms.cell, pbc=atoms.pbc)
     info, arrays = _portable_metadata(atoms)
@@ -500,7 +603,7 @@ def _write_frame(atoms: Atoms, ids: dict[str, Any], result: dict[str, Any]) -> b
 
 _CALCULATOR_ARRAYS = frozenset(per_atom_properties)
 """Per-atom results ASE's extxyz reader hands to a calculator (forces, energies, charges, ...)."""
-_FRAME_INFO_KEYS = frozenset((*per_config_properties, "Lattice", "Properties", "pbc"))
+_FRAME_INFO_KEYS = frozenset((*per_config_properties, *_ID_KEYS, "Lattice", "Properties", "pbc"))
 """info keys that would read back as our results or as extxyz's own fields: kept as input_*."""
 _FRAME_ARRAY_KEYS = _CALCULATOR_ARRAYS | {"numbers", "positions", "species", "pos"}
 _PORTABLE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
@@ -650,7 +753,7 @@ async def _evaluate_isolating(backend: _Backend, batch: list[_Item]) -> list[_Ou
     pending = list(batch)
     while pending:
         try:
-            results = await backend.evaluate([item.atoms for item in pending])
+            results, model = await backend.evaluate([item.atoms for item in pending])
         except _GaveUp as exc:
             return outcomes + [_Outcome(item, None, (exc.code, exc.message)) for item in pending]
         except _Rejected as exc:
@@ -663,7 +766,9 @@ async def _evaluate_isolating(backend: _Backend, batch: list[_Item]) -> list[_Ou
             outcomes.append(_Outcome(pending[index], None, (exc.code, message)))
             del pending[index]
             continue
-        return outcomes + [_Outcome(i, r) for i, r in zip(pending, results, strict=True)]
+        return outcomes + [
+            _Outcome(i, r, model=model) for i, r in zip(pending, results, strict=True)
+        ]
     return outcomes
 
 
@@ -697,20 +802,43 @@ class _RateColumn(ProgressColumn):
         return Text("" if rate is None else f"{rate:.1f} structures/s", style="cyan")
 
 
-class _RemainingColumn(ProgressColumn):
+def _remaining(task: Task) -> str:
     """Time left at the run's average rate (``_average_rate``), as ``H:MM:SS``."""
+    rate = _average_rate(task)
+    if task.finished:
+        seconds = 0
+    elif rate is None or task.total is None:
+        return "-:--:--"
+    else:
+        seconds = int((task.total - task.completed) / rate)
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
 
+
+class _RemainingColumn(ProgressColumn):
     def render(self, task: Task) -> Text:
-        rate = _average_rate(task)
-        if task.finished:
-            seconds = 0
-        elif rate is None or task.total is None:
-            return Text("-:--:--", style="progress.remaining")
-        else:
-            seconds = int((task.total - task.completed) / rate)
-        minutes, seconds = divmod(seconds, 60)
-        hours, minutes = divmod(minutes, 60)
-        return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
+        return Text(_remaining(task), style="progress.remaining")
+
+
+def _plain_progress_line(task: Task) -> str:
+    """The bar's numbers as one line of text, for a log file."""
+    rate = _average_rate(task)
+    total = "?" if task.total is None else int(task.total)
+    speed = "" if rate is None else f", {rate:.1f} structures/s"
+    return (
+        f"screening: {int(task.completed)}/{total} done, {task.fields['failed']} failed"
+        f"{speed}, ETA {_remaining(task)}"
+    )
+
+
+async def _log_progress(progress: Progress, task: TaskID) -> None:
+    """Where stderr is not a terminal, rich draws the bar once, at the end: a line every
+    ``PLAIN_PROGRESS_S`` instead, so a batch job's log shows the run moving."""
+    while True:
+        await asyncio.sleep(PLAIN_PROGRESS_S)
+        (current,) = (t for t in progress.tasks if t.id == task)
+        progress.console.print(_plain_progress_line(current), highlight=False)
 
 
 def _progress(enabled: bool) -> Progress:
@@ -779,7 +907,14 @@ async def _run(
                 for outcome in await _evaluate_isolating(backend, batch):
                     record(outcome)
 
-        await asyncio.gather(produce(), *(consume() for _ in range(options.concurrency)))
+        logging = None
+        if options.progress and not progress.console.is_terminal:
+            logging = asyncio.create_task(_log_progress(progress, task))
+        try:
+            await asyncio.gather(produce(), *(consume() for _ in range(options.concurrency)))
+        finally:
+            if logging is not None:
+                logging.cancel()
 
 
 def screen(

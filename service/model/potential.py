@@ -292,19 +292,37 @@ class Potential:
             capture = self.device.type == "cuda"
         if capture and self.device.type != "cuda":
             raise ValueError("capture=True needs a CUDA device (CUDA graphs)")
+        self._capture = capture
+        self._start_replay()
+
+    def _start_replay(self) -> None:
+        """State of replayed steps, which a copy of this potential builds afresh."""
         self._captured = (
-            CapturedSteps(self.model, self._step, cfg.rcut, self.device) if capture else None
+            CapturedSteps(self.model, self._step, self.config.rcut, self.device)
+            if self._capture
+            else None
         )
         # A recorded graph reads one static input buffer and writes one output buffer: two
         # threads evaluating through this potential (two calculators sharing a loaded model)
         # must not interleave one's load, replay and fetch with the other's. The engine already
-        # runs one pass per device at a time; without graphs nothing is shared (and a lock
-        # would not pickle).
+        # runs one pass per device at a time; without graphs nothing is shared.
         self._one_at_a_time: AbstractContextManager[object] = (
-            threading.Lock() if capture else nullcontext()
+            threading.Lock() if self._capture else nullcontext()
         )
         # Replayed batches only, which run under the lock above.
         self._search_tables = ImageWindowMemo()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Recorded CUDA graphs and a lock neither pickle nor deep-copy (a calculator sent to a
+        # worker process, copy.deepcopy(calc)): a copy records its own graphs when it replays.
+        state = self.__dict__.copy()
+        for name in ("_captured", "_one_at_a_time", "_search_tables"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start_replay()
 
     @property
     def config(self) -> ModelConfig:

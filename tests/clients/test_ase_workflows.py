@@ -292,3 +292,27 @@ def test_a_calculator_copies_and_pickles_for_worker_processes(tiny_fp64: Any) ->
     for clone in (copy.deepcopy(calc), pickle.loads(pickle.dumps(calc))):
         assert isinstance(clone, Calculator)
         assert clone.get_potential_energy(atoms.copy()) == expected
+
+
+@pytest.mark.gpu
+def test_a_gpu_calculator_with_recorded_graphs_copies_and_pickles() -> None:
+    # On a GPU the potential replays CUDA graphs under a lock; neither pickles nor deep-copies,
+    # so the CPU test above could not see a calculator for worker processes failing there.
+    from service.model.config import preset
+    from service.model.dpa4 import DPA4Model
+    from service.model.potential import Potential
+
+    torch.manual_seed(3)
+    calc = SO2LocalCalculator(Potential(DPA4Model(preset("tiny", ["H", "O"])), device="cuda"))
+    atoms = water_box()
+
+    def energies(calc: SO2LocalCalculator) -> list[float]:
+        out = []
+        for _ in range(3):  # recorded, then replayed
+            calc.reset()
+            out.append(calc.get_potential_energy(atoms.copy()))
+        return out
+
+    expected = energies(calc)
+    for clone in (copy.deepcopy(calc), pickle.loads(pickle.dumps(calc))):
+        assert energies(clone) == pytest.approx(expected, rel=1e-6)

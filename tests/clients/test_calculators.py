@@ -65,6 +65,9 @@ def test_http_equals_in_process_bit_for_bit(server: tuple[str, PairPotential], w
         remote, local = paired(atoms, server[0], wire=wire)
         assert_identical(remote, local, periodic=bool(atoms.pbc.all()))
         assert remote.calc.provenance["model"]["name"] == "pair-test"
+        # writable as in process (msgpack's arrays arrive as views of the message's bytes)
+        arrays = [v for v in remote.calc.results.values() if isinstance(v, np.ndarray)]
+        assert arrays and all(a.flags.writeable for a in arrays)
 
 
 def test_results_are_cached_until_the_atoms_change(server: tuple[str, PairPotential]) -> None:
@@ -122,6 +125,34 @@ def test_server_errors_become_calculation_failed(server: tuple[str, PairPotentia
     assert isinstance(info.value, ServiceError)
     assert (info.value.status, info.value.code) == (422, "unknown_element")
     assert info.value.detail == {"field": "structures[0].species", "index": 0}
+
+
+@pytest.mark.parametrize("kind", ["http", "local"])
+@pytest.mark.parametrize("ask", ["get_properties", "calculate"])
+def test_a_failed_calculation_leaves_no_earlier_results_behind(
+    server: tuple[str, PairPotential], kind: str, ask: str
+) -> None:
+    # ASE stores the new atoms before the evaluation: results left from the previous structure
+    # would be handed out for one the model refused (Atoms.get_properties and direct calculate
+    # calls do not clear them).
+    calc = SO2Calculator(server[0]) if kind == "http" else SO2LocalCalculator(PairPotential())
+    water = small_molecule("H2O")
+    water.calc = calc
+    water.get_potential_energy()
+    uranium = Atoms("HU", positions=[[0, 0, 0], [2, 0, 0]])
+    uranium.calc = calc
+    refused = ValueError if kind == "local" else CalculationFailed
+    with pytest.raises(refused, match=r"Z=92 is not supported|this model knows only"):
+        if ask == "get_properties":
+            uranium.get_properties(["energy", "forces"])
+        else:
+            calc.calculate(uranium, ["energy", "forces"])
+    assert calc.results == {} and calc.atoms is None
+    with pytest.raises(refused, match=r"Z=92 is not supported|this model knows only"):
+        uranium.get_potential_energy()
+    assert water.get_potential_energy() == pytest.approx(
+        SO2LocalCalculator(PairPotential()).get_potential_energy(water.copy()), abs=1e-12
+    )
 
 
 def test_a_non_finite_in_process_result_raises_calculation_failed() -> None:
@@ -395,14 +426,11 @@ class _HeldInTheParent(SerialCalculator):
         self.parent = os.getpid()
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def calculate(
-        self, atoms: Any = None, properties: Any = None, system_changes: Any = None
-    ) -> None:
-        super().calculate(atoms, properties, system_changes)  # type: ignore[no-untyped-call]
+    def evaluate(self, atoms: Atoms, wanted: frozenset[str]) -> dict[str, Any]:
         if os.getpid() == self.parent:
             self.entered.set()
             self.release.wait()
-        self.results = {"energy": float(len(atoms))}
+        return {"energy": float(len(atoms))}
 
 
 def _energy_of_two_atoms(calc: _HeldInTheParent) -> None:

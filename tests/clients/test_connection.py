@@ -116,6 +116,44 @@ def test_framings_headers_and_one_connection_for_all() -> None:
     assert body == b"payload"
 
 
+@contextmanager
+def descriptors_taken_below(n: int) -> Iterator[None]:
+    """Hold every free descriptor below ``n``: the next socket gets one at or above it."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n + 64:
+        if hard != resource.RLIM_INFINITY and hard < n + 64:
+            pytest.skip(f"the descriptor limit ({hard}) is below {n + 64}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n + 64, hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < n - 1:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("spin_lead_s", [0.0, 0.002])
+def test_a_connection_past_select_s_descriptor_limit_is_reused(spin_lead_s: float) -> None:
+    # select() refuses descriptors from 1024 on; a process holding many files (NEB images,
+    # thread pools) reaches them, and every reuse check failed into a reconnect after backoff.
+    closing = ok(b"closed after this", b"Connection: close")
+    answers = [(ok(b"one"), False), (ok(b"two"), False), (closing, True), (ok(b"four"), False)]
+    with descriptors_taken_below(1100), raw_server(answers) as server:
+        http = KeepAliveConnection(server.url, 5.0, {}, spin_lead_s=spin_lead_s)
+        assert [http.request("GET", "/x").content for _ in range(2)] == [b"one", b"two"]
+        assert server.connections == 1
+        assert http.request("GET", "/x").content == b"closed after this"
+        assert http.request("GET", "/x").content == b"four"
+        http.close()
+    assert server.connections == 2
+
+
 def test_connection_close_and_body_until_eof() -> None:
     closing = ok(b"one", b"Connection: close")
     until_eof = b"HTTP/1.0 200 OK\r\n\r\nto the end"

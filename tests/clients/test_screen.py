@@ -373,6 +373,7 @@ def test_input_metadata_is_carried_where_extxyz_holds_it(tmp_path: Path) -> None
                 "energy": -1.5, "free_energy": -1.25, "title": "water", "charge": 0,
                 "tags_list": [1, 2, 3], "multi": "line one\nline two", "tabbed": "a\tb",
                 "empty": "", "path": "C:\\data", "a b": 1, "k=v": 2, "none": None, "meta": {"x": 1},
+                "source": "OC20-split-val", "frame": 7,
             })  # fmt: skip
             atoms.set_initial_charges(np.arange(len(atoms), dtype=float))
             atoms.calc = SinglePointCalculator(
@@ -386,8 +387,13 @@ def test_input_metadata_is_carried_where_extxyz_holds_it(tmp_path: Path) -> None
     frames = {f.info["screen_id"]: f
               for f in ase.io.read(out / RESULTS_FILE, index=":")}  # fmt: skip
     carried = frames[f"{files[1]}@0"]
-    info = {k: v for k, v in carried.info.items() if k not in ("screen_id", "source", "frame")}
-    assert set(info) == {"input_energy", "input_free_energy", "title", "charge", "tags_list"}
+    ours = ("screen_id", "source", "frame", "model", "model_hash")
+    assert [carried.info[k] for k in ours] == [f"{files[1]}@0", str(files[1]), 0, "pair-test",
+                                               "sha256:" + "0" * 64]  # fmt: skip
+    info = {k: v for k, v in carried.info.items() if k not in ours}
+    assert set(info) == {"input_energy", "input_free_energy", "title", "charge", "tags_list",
+                         "input_source", "input_frame"}  # fmt: skip
+    assert (info["input_source"], info["input_frame"]) == ("OC20-split-val", 7)
     assert (info["input_energy"], info["input_free_energy"]) == (-1.5, -1.25)
     assert info["title"] == "water"
     np.testing.assert_array_equal(info["tags_list"], [1, 2, 3])
