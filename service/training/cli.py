@@ -54,6 +54,9 @@ def train_command(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> TrainResult:
     """Train a model as the config says; writes the model file, checkpoint and logs."""
+    import torch
+    from triton.errors import TritonError
+
     from service.training.loop import train
     from service.training.metrics import finite_or_none
 
@@ -72,6 +75,20 @@ def train_command(
     except FloatingPointError as exc:
         raise cli_fail(f"{exc}; lower optim.lr (or set optim.clip_norm), then resume from "
                        f"the last checkpoint: {_resumable(run_config)}") from exc  # fmt: skip
+    except torch.OutOfMemoryError as exc:
+        data = run_config.data
+        advice = (
+            f"out of GPU memory: lower data.batch_size (now {data.batch_size}) or "
+            f"data.valid_batch_size (now {data.valid_batch_size}), then resume; "
+            f"{_resumable(run_config)}"
+        )
+        raise cli_fail(_with_detail(advice, exc)) from exc
+    except TritonError as exc:
+        advice = "the fused path's Triton kernels failed: --set run.path=reference avoids them"
+        raise cli_fail(_with_detail(f"{advice}; {_resumable(run_config)}", exc)) from exc
+    # A full disk or a file system gone away, while writing checkpoints, logs or the model.
+    except OSError as exc:
+        raise cli_fail(f"{exc}; {_resumable(run_config)}") from exc
     # ConfigError, DataError, ModelConfigError, ModelFileError, and a model architecture the
     # chosen run.path cannot run: all ValueErrors.
     except ValueError as exc:
@@ -94,6 +111,12 @@ def train_command(
         )
     )
     return result
+
+
+def _with_detail(advice: str, exc: BaseException) -> str:
+    """The advice, then the exception's own message: long ones (CUDA's, Triton's) are cut short
+    by ``cli_fail``, and the advice must survive that."""
+    return f"{advice} ({type(exc).__name__}: {exc})"
 
 
 def _resumable(config: TrainConfig) -> str:
@@ -133,6 +156,9 @@ def eval_command(
     ] = None,
 ) -> None:
     """Energy/force/virial RMSE and MAE per system and overall (+ parity plot, JSON)."""
+    import torch
+    from triton.errors import TritonError
+
     from service.training.data import DataError
     from service.training.evaluate import evaluate_model
 
@@ -149,7 +175,13 @@ def eval_command(
             json_output=json_output,
             type_map=None if type_map is None else _split_symbols(type_map),
         )
-    except (DataError, ModelFileError, ValueError) as exc:
+    except torch.OutOfMemoryError as exc:
+        advice = f"out of GPU memory: lower --batch-size (now {batch_size})"
+        raise cli_fail(_with_detail(advice, exc)) from exc
+    except TritonError as exc:
+        advice = "the fused path's Triton kernels failed: --path reference avoids them"
+        raise cli_fail(_with_detail(advice, exc)) from exc
+    except (DataError, ModelFileError, ValueError, OSError) as exc:
         raise cli_fail(str(exc)) from exc
     typer.echo(report.to_json())
 

@@ -118,6 +118,9 @@ class OptimConfig:
 @dataclass
 class RunConfig:
     steps: int = 1000
+    """Length of the run. The LR and loss-weight schedules are functions of ``step / steps``:
+    resuming with another value moves the run to another point of them (a longer run goes back
+    up towards the peak LR), which the resume logs with the LR before and after."""
     max_time_s: float = 0.0
     """Wall-clock budget; when > 0 the schedule runs on elapsed time and training stops at the
     budget or at ``steps``, whichever comes first (not bit-reproducible across machines)."""
@@ -240,6 +243,11 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     return cls(**values)
 
 
+_CONSTANT_WEIGHT_KEYS = frozenset(f"loss.{f.name}" for f in dataclasses.fields(LossConfig))
+"""The keys where a scalar ``w`` stands for ``[w, w]``; a scalar ``optim.betas`` is an error,
+not ``[b, b]``."""
+
+
 def _coerce(hint: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return _build_dataclass(hint, value, key + ".")
@@ -250,7 +258,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         return value
     if origin is list:
         (item_type,) = get_args(hint)
-        if isinstance(value, (int, float)) and item_type is float:
+        if isinstance(value, (int, float)) and key in _CONSTANT_WEIGHT_KEYS:
             return [float(value), float(value)]  # a scalar weight means start == end
         if not isinstance(value, Sequence) or isinstance(value, str):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

@@ -16,6 +16,7 @@ Malformed input raises :class:`DataError` naming the file and what is wrong with
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,32 +426,64 @@ def load_dataset(
     """Pool frames from DeePMD systems and ASE files, in the order given.
 
     A folder is a DeePMD system if it holds ``type.raw`` and ``set.*``; a folder that is not a
-    system is searched recursively for systems (e.g. ``water/`` → ``data_0..2``). Anything else
-    is read with ASE. Each frame is validated as a structure here, so bad geometry fails with
-    its file name before training starts.
+    system is searched recursively for systems (e.g. ``water/`` → ``data_0..2``), following
+    symbolic links. Anything else is read with ASE. A system or file reached twice (listed
+    itself and through its folder, say) is refused: its frames would be counted twice, and a
+    random split would put copies of a frame on both sides. Each frame is validated as a
+    structure here, so bad geometry fails with its file name before training starts.
     """
     if not paths:
         raise DataError("<data>", "no data paths given")
     frames: list[Frame] = []
+    entry_of: dict[Path, Path] = {}  # resolved source → the data path that brought it in
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
-            for system in _deepmd_systems_under(path):
-                frames.extend(load_deepmd_system(system, type_map=type_map))
-        else:
-            frames.extend(load_ase_file(path))
+        is_folder = path.is_dir()
+        for source in _deepmd_systems_under(path) if is_folder else [path]:
+            _claim_source(source, path, entry_of)
+            if is_folder:
+                frames.extend(load_deepmd_system(source, type_map=type_map))
+            else:
+                frames.extend(load_ase_file(source))
     for source_frames in FrameDataset(frames).by_source().values():
         _check_frames(list(source_frames), require_energy=require_energy)
     return FrameDataset(frames)
 
 
+def _claim_source(source: Path, entry: Path, entry_of: dict[Path, Path]) -> None:
+    """Record that the data path ``entry`` brings in ``source``, refusing a second time."""
+    key = source.resolve()
+    if key in entry_of:
+        raise DataError(
+            source,
+            f"in the data twice (through the data paths {entry_of[key]} and {entry}): "
+            "give each system or file once",
+        )
+    entry_of[key] = entry
+
+
 def _deepmd_systems_under(folder: Path) -> list[Path]:
+    """The DeePMD systems in ``folder`` or below, sorted. Symbolic links to folders are
+    followed (``Path.rglob`` skips them), each real folder visited once so a link back up the
+    tree ends the walk there."""
     if is_deepmd_system(folder):
         return [folder]
-    systems = sorted({p.parent for p in folder.rglob("type.raw") if is_deepmd_system(p.parent)})
+    systems: list[Path] = []
+    visited: set[Path] = set()
+    for root, subfolders, _ in os.walk(folder, followlinks=True):
+        real = Path(root).resolve()
+        if real in visited:
+            subfolders.clear()
+            continue
+        visited.add(real)
+        # Visited in name order: which of two links to one folder is kept does not depend on
+        # the file system's listing order.
+        subfolders.sort()
+        if is_deepmd_system(Path(root)):
+            systems.append(Path(root))
     if not systems:
         raise DataError(folder, "a folder with no DeePMD system (type.raw + set.*) in it")
-    return systems
+    return sorted(systems)
 
 
 def _check_frames(frames: list[Frame], *, require_energy: bool) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -29,7 +28,7 @@ from service.training.data import (
     load_dataset,
 )
 from service.training.metrics import PropertyErrors, batch_errors, finite_or_none
-from service.training.state import folder_problem
+from service.training.state import file_problem
 
 __all__ = [
     "EvalReport",
@@ -264,11 +263,7 @@ def _check_type_map(type_map: Sequence[str]) -> None:
 
 def _check_output_file(path: Path, what: str) -> None:
     """Create ``path``'s folder if needed; ``ValueError`` if ``path`` cannot be written there."""
-    problem = folder_problem(path.parent)
-    if problem is None and path.is_dir():
-        problem = "it is a folder"
-    elif problem is None and path.exists() and not os.access(path, os.W_OK):
-        problem = "permission denied"
+    problem = file_problem(path)
     if problem is not None:
         raise ValueError(f"cannot write the {what} to {path}: {problem}")
 

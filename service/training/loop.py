@@ -18,6 +18,7 @@ resumed run restores its bias from the checkpoint and fits nothing.
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import logging
@@ -44,6 +45,7 @@ from service.training.config import (
     CHECKPOINT_NAME,
     ConfigError,
     DataConfig,
+    RunConfig,
     TrainConfig,
     TrainResult,
 )
@@ -62,6 +64,7 @@ from service.training.schedule import LossWeights, learning_rate, loss_weights
 from service.training.state import (
     EpochSampler,
     ExponentialMovingAverage,
+    file_problem,
     folder_problem,
     load_checkpoint,
     restore_rng_state,
@@ -142,6 +145,7 @@ def prepare_data(config: DataConfig) -> PreparedData:
         validation_paths = [str(resolve_data_path(p, config.roots)) for p in config.validation]
         train_set = pool
         validation = load_dataset(validation_paths, type_map=type_map_hint, require_energy=True)
+        _refuse_shared_sources(train_set, validation)
     else:
         validation_paths = []
         train_set, validation = pool.split(config.valid_fraction, config.split_seed)
@@ -155,6 +159,15 @@ def prepare_data(config: DataConfig) -> PreparedData:
     if missing:
         raise DataError(train_paths[0], f"elements {missing} are not in data.type_map {type_map}")
     return PreparedData(train_set, validation, type_map, train_paths, validation_paths)
+
+
+def _refuse_shared_sources(train: FrameDataset, validation: FrameDataset) -> None:
+    """An explicit validation set must not hold a system or file that is trained on."""
+    trained = {Path(source).resolve() for source in train.sources}
+    shared = [source for source in validation.sources if Path(source).resolve() in trained]
+    if shared:
+        problem = "in both data.train and data.validation: it would be validated on after training"
+        raise DataError(shared[0], problem)
 
 
 def fit_energy_reference(
@@ -233,7 +246,9 @@ def initialize_energy_bias(
     model_types = model.config.type_map
     bias = model.get_buffer("energy_bias")
     with torch.no_grad():
-        bias.copy_(torch.tensor([reference.get(s, 0.0) for s in model_types]))
+        # In the buffer's float64: a float32 tensor would round the reference (~1e-5 eV of
+        # ~100 eV per element) before the copy.
+        bias.copy_(torch.tensor([reference.get(s, 0.0) for s in model_types], dtype=bias.dtype))
     potential = Potential(model, device=device, path=path, capture=False)
     # Potential moved the model: take the buffer again, the one fetched above may be a stale copy.
     bias = model.get_buffer("energy_bias")
@@ -321,6 +336,15 @@ def validation_loss(errors: PropertyErrors, weights: LossWeights) -> float:
 # The trainer
 
 
+def _schedule_progress(run: RunConfig, step: int, elapsed_s: float) -> float:
+    """Where the LR and loss-weight schedules are after ``step`` steps and ``elapsed_s``
+    seconds: ``step / run.steps``, or the elapsed fraction of ``run.max_time_s`` if larger."""
+    by_steps = step / run.steps
+    if run.max_time_s > 0.0:
+        return max(by_steps, elapsed_s / run.max_time_s)
+    return by_steps
+
+
 @dataclass
 class _Best:
     loss: float = math.inf
@@ -368,11 +392,7 @@ class Trainer:
 
     # schedule
     def progress(self) -> float:
-        run = self.config.run
-        by_steps = self.step / run.steps
-        if run.max_time_s > 0.0:
-            return max(by_steps, self.elapsed_s / run.max_time_s)
-        return by_steps
+        return _schedule_progress(self.config.run, self.step, self.elapsed_s)
 
     def finished(self) -> bool:
         return self.progress() >= 1.0
@@ -386,6 +406,8 @@ class Trainer:
         lr = learning_rate(progress, self.config.optim)
         weights = loss_weights(progress, self.config.optim, self.config.loss)
         self.step_lr, self.step_weights = lr, weights
+        # Set from the config every step: after a resume the LR stored in the checkpointed
+        # optimizer state gives way to the current optim.lr (which a resume may change).
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = collate([self.data.train[i] for i in self.sampler.next_batch()])
@@ -496,7 +518,7 @@ class Trainer:
         )
 
 
-# Where and how the run executes, how long it goes on, and what it writes; not what it learns.
+# Where and how the run executes, and what it writes; not what it learns.
 # (device/path change only floating-point rounding; a copied run folder resumes from its copy.)
 _RESUME_MAY_CHANGE = {
     "run": {
@@ -504,8 +526,6 @@ _RESUME_MAY_CHANGE = {
         "device",
         "path",
         "check_second_order",
-        "steps",
-        "max_time_s",
         "session_steps",
         "eval_every",
         "checkpoint_every",
@@ -517,17 +537,75 @@ _RESUME_MAY_CHANGE = {
     "data": {"valid_batch_size"},
 }
 
+# What a resume may change although it changes what is learned from there on; the resume logs
+# it. The ways out of a diverged run (a lower LR, a tighter clip) and of an out-of-memory stop
+# (a smaller batch) must be open, and so must a longer or shorter run, which moves the run along
+# the schedules (functions of step / run.steps).
+_RESUME_MAY_RETUNE = {
+    "optim": {"lr", "min_lr_ratio", "clip_norm"},
+    "data": {"batch_size"},
+    "run": {"steps", "max_time_s"},
+}
+
 
 def _check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """A resumed run must train the same model on the same data with the same optimiser."""
+    """A resumed run must train the same model on the same data with the same optimiser,
+    but for the settings of ``_RESUME_MAY_RETUNE``."""
     for section, values in saved.items():
-        allowed = _RESUME_MAY_CHANGE.get(section, set())
+        allowed = _RESUME_MAY_CHANGE.get(section, set()) | _RESUME_MAY_RETUNE.get(section, set())
         for key, value in values.items():
             if key not in allowed and current.get(section, {}).get(key) != value:
                 raise ConfigError(
                     f"cannot resume: {section}.{key} was {value!r} in the checkpoint, "
                     f"now {current.get(section, {}).get(key)!r}"
                 )
+
+
+def _retuned(saved: dict[str, Any], current: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """The settings of ``_RESUME_MAY_RETUNE`` that differ from the checkpoint's ``saved``
+    config, as ``{"optim.lr": (was, now)}``."""
+    now = current.to_dict()
+    return {
+        f"{section}.{key}": (saved[section][key], now[section][key])
+        for section, keys in _RESUME_MAY_RETUNE.items()
+        for key in sorted(keys)
+        if key in saved.get(section, {}) and saved[section][key] != now[section][key]
+    }
+
+
+def _with_settings(config: TrainConfig, settings: dict[str, Any]) -> TrainConfig:
+    """A copy of ``config`` with ``{"optim.lr": value}`` settings replaced."""
+    changed = copy.deepcopy(config)
+    for name, value in settings.items():
+        section, key = name.split(".")
+        setattr(getattr(changed, section), key, value)
+    return changed
+
+
+def _report_retuned(trainer: Trainer, saved: dict[str, Any]) -> dict[str, Any]:
+    """Log what a resume changed of ``_RESUME_MAY_RETUNE`` and the LR the next step gets with
+    and without the change; returns that for the run log (empty when nothing changed)."""
+    retuned = _retuned(saved, trainer.config)
+    if not retuned:
+        return {}
+    checkpointed = _with_settings(trainer.config, {name: was for name, (was, _) in retuned.items()})
+    progress = _schedule_progress(checkpointed.run, trainer.step, trainer.elapsed_s)
+    lr_before = learning_rate(progress, checkpointed.optim)
+    lr_after = learning_rate(trainer.progress(), trainer.config.optim)
+    changes = ", ".join(f"{name} {was} → {now}" for name, (was, now) in retuned.items())
+    moved = {"run.steps", "run.max_time_s"} & retuned.keys()
+    log.warning(
+        "resuming at step %d with %s: the next step's LR is %.4g (%.4g with the checkpoint's)%s",
+        trainer.step,
+        changes,
+        lr_after,
+        lr_before,
+        "; the LR and loss-weight schedules are functions of step / run.steps" if moved else "",
+    )
+    return {
+        "retuned": {name: list(pair) for name, pair in retuned.items()},
+        "lr": {"checkpointed": lr_before, "now": lr_after},
+    }
 
 
 # Execution path for the force loss
@@ -577,7 +655,8 @@ def choose_training_path(trainer: Trainer, *, rtol: float = 1e-3) -> str:
             reason = f"its force-loss gradients differ from the reference by {mismatch:.2e}"
         elif fused_seconds > ref_seconds:
             reason = f"it is slower ({fused_seconds:.3f} s vs {ref_seconds:.3f} s per step)"
-    except (RuntimeError, NotImplementedError, ValueError) as exc:
+    # Triton's CompilationError and OutOfResources derive from TritonError, not RuntimeError.
+    except (RuntimeError, NotImplementedError, ValueError, triton.errors.TritonError) as exc:
         reason = f"its double backward failed ({type(exc).__name__}: {exc})"
     if not reason:
         log.info(
@@ -723,9 +802,10 @@ def train(config: TrainConfig) -> TrainResult:
     device = _run_device(config.run.device)
     output_dir = Path(config.run.output_dir)
     _ensure_writable_dir(output_dir, "run.output_dir")
-    if config.run.export_path:
-        _ensure_writable_dir(Path(config.run.export_path).parent, "run.export_path")
+    _check_export_path(config.run.export_path)
     checkpoint_path = output_dir / CHECKPOINT_NAME
+    if not config.run.resume:
+        _refuse_to_overwrite(checkpoint_path)
     data = prepare_data(config.data)
     log.info(
         "data: %d training / %d validation frames, elements %s",
@@ -760,9 +840,12 @@ def train(config: TrainConfig) -> TrainResult:
             {s: round(e, 6) for s, e in correction.items()},
         )
     trainer = Trainer(config, data, model)
+    retuned: dict[str, Any] = {}
     if resume:
-        trainer.load_state_dict(load_checkpoint(checkpoint_path))
+        checkpoint = load_checkpoint(checkpoint_path)
+        trainer.load_state_dict(checkpoint)
         log.info("resumed from %s at step %d", checkpoint_path, trainer.step)
+        retuned = _report_retuned(trainer, json.loads(checkpoint["config"]))
     run_log = RunLog(output_dir, resume_step=trainer.step if resume else None)
     path = choose_training_path(trainer)
     execution = trainer.potential.execution
@@ -778,6 +861,7 @@ def train(config: TrainConfig) -> TrainResult:
         trainer.step,
         execution={"path": path, "precision": execution.precision, "device": execution.device},
         hardware=hardware_info(trainer.device),
+        **retuned,
     )
     _run_steps(trainer, run_log, checkpoint_path)
     finished = trainer.finished()
@@ -815,6 +899,37 @@ def _ensure_writable_dir(folder: Path, key: str) -> None:
     problem = folder_problem(folder)
     if problem is not None:
         raise ConfigError(f"{key}: {problem}")
+
+
+def _check_export_path(export_path: str) -> None:
+    """``run.export_path`` must name a file that can be written: checked before the run, as
+    the model is written only at its end."""
+    if not export_path:
+        return
+    # Path("newdir/") is Path("newdir"): the separator is seen on the string only.
+    if export_path.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        raise ConfigError(
+            f"run.export_path {export_path!r} ends with a path separator: name the model file, "
+            f"e.g. {export_path}model.safetensors"
+        )
+    problem = file_problem(Path(export_path))
+    if problem is not None:
+        raise ConfigError(f"run.export_path: cannot write the model file {export_path}: {problem}")
+
+
+def _refuse_to_overwrite(checkpoint_path: Path) -> None:
+    """A fresh run in a folder that holds one would truncate its logs and replace its
+    checkpoint and model file."""
+    if not checkpoint_path.exists():
+        return
+    try:
+        held = f"{CHECKPOINT_NAME} at step {load_checkpoint(checkpoint_path)['step']}"
+    except ConfigError:  # unreadable, or of another format: still not ours to replace
+        held = f"an unreadable {CHECKPOINT_NAME}"
+    raise ConfigError(
+        f"run.output_dir {checkpoint_path.parent} holds a run ({held}): pass --resume "
+        "(run.resume=true) to continue it, or another -o / run.output_dir"
+    )
 
 
 def _run_steps(trainer: Trainer, run_log: RunLog, checkpoint_path: Path) -> None:

@@ -27,8 +27,10 @@ from ase.geometry import get_distances
 from ase.md.velocitydistribution import Stationary
 from ase.md.verlet import VelocityVerlet
 
+from service.cli_output import cli_fail
 from service.training.data import Frame, load_dataset
 from service.training.evaluate import can_plot
+from service.training.state import folder_problem
 
 __all__ = ["MDReport", "atoms_from_frame", "main", "run_nve"]
 
@@ -179,6 +181,24 @@ def plot_energies(series: dict[str, np.ndarray], report: MDReport, path: Path) -
     plt.close(fig)
 
 
+def _option_problem(
+    steps: int, timestep_fs: float, temperature: float, sample_every: int, out: Path
+) -> str | None:
+    """What is wrong with the options, or None: found before the model loads and the MD runs,
+    not when the results are written after it. Creates ``out`` if missing."""
+    checks = [
+        (steps >= 1, f"--steps must be ≥ 1, got {steps}"),
+        (0.0 < timestep_fs < math.inf, f"--timestep-fs must be > 0, got {timestep_fs}"),
+        (0.0 <= temperature < math.inf, f"--temperature must be ≥ 0 K, got {temperature}"),
+        (sample_every >= 1, f"--sample-every must be ≥ 1, got {sample_every}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            return message
+    problem = folder_problem(out)
+    return None if problem is None else f"--out: {problem}"
+
+
 def main(
     model: Annotated[str, typer.Argument(help="Model file, or 'default' for the shipped model.")],
     data: Annotated[
@@ -198,6 +218,9 @@ def main(
     ),
 ) -> None:
     """Run the NVE check and write ``md_check.json`` and ``md_energy.png`` to ``out``."""
+    problem = _option_problem(steps, timestep_fs, temperature, sample_every, out)
+    if problem is not None:
+        raise cli_fail(problem)
     from clients import SO2LocalCalculator
 
     try:
@@ -206,8 +229,7 @@ def main(
             model=None if model == "default" else model, device=device, path=path
         )
     except ValueError as exc:  # DataError, ModelFileError, a bad device or path: all ValueErrors
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
+        raise cli_fail(str(exc)) from None
     report, series = run_nve(
         atoms_from_frame(frame),
         calculator,
@@ -217,7 +239,6 @@ def main(
         sample_every=sample_every,
         max_wall_s=max_wall_s,
     )
-    out.mkdir(parents=True, exist_ok=True)
     payload = {"model": model, "data": str(data), **asdict(report)}
     (out / "md_check.json").write_text(json.dumps(payload, indent=2) + "\n")
     np.savez(out / "md_series.npz", **series)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """Learning-rate schedule and loss-weight schedule, as pure functions of training progress.
 
 Both depend only on ``progress = step / steps`` (or elapsed / budget in wall-clock mode), so a
-resumed run needs nothing but the step count to be back on the same curve.
+resumed run needs nothing but the step count to be back on the same curve (a resume with
+another ``run.steps`` lands on another point of it).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 A checkpoint holds plain tensors, numbers and strings only, so it loads with
 ``torch.load(weights_only=True)`` (no pickled code). Resuming restores model, optimizer, EMA,
 batch sampler, RNG states and the step counter; the schedule is a pure function of the step,
-so the continued run is the same as an uninterrupted one (bitwise on CPU).
+so the continued run is the same as an uninterrupted one (bitwise on CPU), unless the resume
+changes one of the settings it allows to change (the LR, the clip, the batch size, the run's
+length: ``loop._RESUME_MAY_RETUNE``), which it logs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "EpochSampler",
     "ExponentialMovingAverage",
+    "file_problem",
     "folder_problem",
     "load_checkpoint",
     "restore_rng_state",
@@ -45,6 +48,16 @@ def folder_problem(folder: Path) -> str | None:
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"folder {folder} is not writable"
     return None
+
+
+def file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be written as a file (its folder created if missing), or None."""
+    problem = folder_problem(path.parent)
+    if problem is None and path.is_dir():
+        problem = "it is a folder"
+    elif problem is None and path.exists() and not os.access(path, os.W_OK):
+        problem = "permission denied"
+    return problem
 
 
 class EpochSampler:

@@ -107,6 +107,36 @@ def test_train_unusable_output_dir_is_a_clean_error(tmp_path: Path) -> None:
     assert "run.output_dir" in output
 
 
+@pytest.mark.parametrize(
+    ("export_path", "fragment"),
+    [("folder", "it is a folder"), ("newdir/", "ends with a path separator")],
+)
+def test_train_unusable_export_path_is_refused_up_front(
+    tmp_path: Path, export_path: str, fragment: str
+) -> None:
+    """An export_path that is a folder (IsADirectoryError after the whole run) or ends with a
+    separator (a file named like the folder) is refused before any data is loaded."""
+    (tmp_path / "folder").mkdir()
+    config = tiny_run_config_file(tmp_path, tmp_path / "no_data_needed")
+    target = f"{tmp_path}/{export_path}"
+    code, output, exception = _cli("train", str(config), "--set", f"run.export_path='{target}'")
+    _assert_clean_error(code, output, exception)
+    assert "run.export_path" in output and fragment in output
+
+
+def test_a_fresh_run_refuses_a_folder_holding_a_run(tmp_path: Path) -> None:
+    """Without --resume, a second ``so2serve train`` into the same folder would truncate its
+    logs and replace its checkpoint and model: refused, saying how to continue instead."""
+    config = tiny_run_config_file(tmp_path, write_water_system(tmp_path / "sys", 4))
+    code, output, _ = _cli("train", str(config))
+    assert code == 0, output
+    log_csv = (tmp_path / "run" / "log.csv").read_text()
+    code, output, exception = _cli("train", str(config))
+    _assert_clean_error(code, output, exception)
+    assert "holds a run (checkpoint.pt at step 2)" in output and "--resume" in output
+    assert (tmp_path / "run" / "log.csv").read_text() == log_csv
+
+
 @pytest.mark.parametrize("batch_size", ["0", "-1"])
 def test_eval_rejects_a_non_positive_batch_size(tmp_path: Path, batch_size: str) -> None:
     """``--batch-size`` must be ≥ 1 (exit code 2, the option named)."""

@@ -50,6 +50,8 @@ def test_toml_json_and_overrides(tmp_path: Path) -> None:
         (["bogus.x=1"], "bogus"),
         (["optim.betas=[1.5, 0.999]"], "optim.betas"),
         (["optim.betas=[0.9, -0.1]"], "optim.betas"),
+        # A scalar is [w, w] for a loss weight only: a scalar beta is not silently [b, b].
+        (["optim.betas=0.9"], "optim.betas: expected a list"),
         (["optim.eps=0"], "optim.eps"),
         (["optim.weight_decay=-1e-4"], "optim.weight_decay"),
         (['run.device="gpu"'], "run.device"),

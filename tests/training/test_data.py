@@ -12,6 +12,10 @@ from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.io import write
 
+from service.graph.structures import Structures
+from service.model.config import preset
+from service.model.dpa4 import DPA4Model
+from service.model.potential import Potential
 from service.training.data import (
     DataError,
     Frame,
@@ -21,6 +25,7 @@ from service.training.data import (
     load_dataset,
     load_deepmd_system,
 )
+from service.training.md_check import atoms_from_frame
 from tests.conftest import shared_path
 from tests.training.synthetic import truncate_sets, write_water_system
 
@@ -237,3 +242,63 @@ def test_empty_label_file_names_the_file(tmp_path: Path) -> None:
     system = write_water_system(tmp_path / "sys", 2)
     np.save(system / "set.000" / "energy.npy", np.zeros(0))
     _expect(system, "0 frames", "energy.npy")
+
+
+def test_a_system_reached_twice_is_refused(tmp_path: Path) -> None:
+    """A system listed itself and through its folder would be loaded twice, and the random
+    validation split would put copies of one frame on both sides: refused, naming it."""
+    folder = tmp_path / "data"
+    write_water_system(folder / "a", 2)
+    write_water_system(folder / "b", 2, seed=1)
+    for paths in ([folder, folder / "b"], [folder / "b", folder / "b"]):
+        with pytest.raises(DataError, match="in the data twice") as info:
+            load_dataset(paths)
+        assert info.value.path == str(folder / "b")
+
+
+def test_folder_search_follows_symbolic_links(tmp_path: Path) -> None:
+    """A folder search finds systems behind symbolic links (``Path.rglob`` skipped them); a link
+    back up the tree does not loop; the order is sorted."""
+    write_water_system(tmp_path / "elsewhere" / "linked", 2)
+    folder = tmp_path / "data"
+    write_water_system(folder / "b", 2, seed=1)
+    (folder / "a_link").symlink_to(tmp_path / "elsewhere" / "linked")
+    (folder / "b" / "loop").symlink_to(folder)
+    dataset = load_dataset([folder])
+    assert dataset.sources == [str(folder / "a_link"), str(folder / "b")]
+    assert len(dataset) == 4
+
+
+def test_stress_label_is_loaded_as_the_model_virial(tmp_path: Path) -> None:
+    """An ASE stress label, ``σ = (1/V) ∂E/∂ε``, is loaded as the virial the model predicts and
+    the loss compares it with. The label is built from finite differences of a tiny model's
+    energy under strain, not from the loader's ``W = −V·σ``."""
+    system = write_water_system(tmp_path / "sys", 1, molecules=3, periodic=True)
+    atoms = atoms_from_frame(load_deepmd_system(system)[0])
+    potential = Potential(DPA4Model(preset("tiny", ["H", "O"])), device="cpu",
+                          path="reference", precision="fp64")  # fmt: skip
+
+    def energy(strain: np.ndarray) -> float:
+        strained = atoms.copy()
+        strained.set_cell(atoms.cell.array @ strain, scale_atoms=False)
+        strained.positions = atoms.positions @ strain
+        structures = Structures.from_atoms([strained])
+        return float(potential.predict(structures, ("energy",)).energy[0])
+
+    h = 1e-5
+    de_dstrain = np.zeros((3, 3))
+    for i in range(3):
+        for j in range(3):
+            step = np.zeros((3, 3))
+            step[i, j] = h
+            de_dstrain[i, j] = (energy(np.eye(3) + step) - energy(np.eye(3) - step)) / (2 * h)
+    stress = 0.5 * (de_dstrain + de_dstrain.T) / atoms.get_volume()
+    atoms.calc = SinglePointCalculator(atoms, energy=energy(np.eye(3)), stress=stress)
+    path = tmp_path / "labelled.extxyz"
+    write(path, atoms, format="extxyz")
+    loaded = load_ase_file(path)[0].virial
+    predicted = potential.predict(Structures.from_atoms([atoms]), ("energy", "virial")).virial
+    assert predicted is not None and loaded is not None
+    scale = float(np.abs(loaded).max())
+    assert scale > 1e-4  # the check has something to compare
+    np.testing.assert_allclose(loaded, predicted[0].numpy(), atol=1e-4 * scale)

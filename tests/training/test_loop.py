@@ -17,11 +17,13 @@ from service.model.io import load_model, read_metadata
 from service.model.potential import Potential, default_model_path, load_potential
 from service.training import loop
 from service.training.cli import train_command
-from service.training.config import TrainConfig, load_config
-from service.training.data import collate, load_dataset, load_deepmd_system
+from service.training.config import DataConfig, TrainConfig, load_config
+from service.training.data import DataError, collate, load_dataset, load_deepmd_system
 from service.training.evaluate import evaluate_frames
 from service.training.loop import (
+    Trainer,
     build_model,
+    choose_training_path,
     fit_energy_reference,
     initialize_energy_bias,
     prepare_data,
@@ -367,3 +369,104 @@ def test_refit_sample_holds_every_element_of_a_mixed_source() -> None:
     sample = loop._spread_sample(frames, 256)
     assert set(sample.elements) == {"C", "H", "O"}
     assert len(sample) <= 256 + 1
+
+
+def test_initial_bias_is_the_float64_least_squares_fit(tmp_path: Path) -> None:
+    """With no frames sampled for the network's offset, the bias is the least-squares reference
+    itself, to the last float64 bit (it went through a float32 tensor)."""
+    system = write_water_system(tmp_path / "sys", 4)
+    config = load_config(None, tiny_run_overrides(system, tmp_path / "run"))
+    data = prepare_data(config.data)
+    model = build_model(config, data.type_map)
+    cpu = torch.device("cpu")
+    bias = initialize_energy_bias(
+        model, data.train, data.type_map, device=cpu, path="reference", sample_frames=0
+    )
+    reference = fit_energy_reference(data.train, data.type_map)
+    assert [bias[s] for s in data.type_map] == reference.tolist()
+
+
+def test_explicit_validation_sharing_a_training_system_is_refused(tmp_path: Path) -> None:
+    """``data.validation`` naming a system that ``data.train`` holds (here through its folder)
+    would validate on trained frames."""
+    folder = tmp_path / "data"
+    write_water_system(folder / "a", 2)
+    write_water_system(folder / "b", 2, seed=1)
+    config = DataConfig(train=[str(folder)], validation=[str(folder / "b")])
+    with pytest.raises(DataError, match=r"data\.train and data\.validation") as info:
+        prepare_data(config)
+    assert info.value.path == str(folder / "b")
+
+
+def _read_resume_event(log_jsonl: Path) -> dict[str, Any]:
+    events: list[dict[str, Any]] = [json.loads(line) for line in log_jsonl.read_text().splitlines()]
+    (resume,) = [event for event in events if event.get("event") == "resume"]
+    return resume
+
+
+def test_resume_may_lower_the_lr_clip_and_batch_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The advice after a diverged run (lower optim.lr, set optim.clip_norm) or a run out of
+    memory (lower data.batch_size) can be followed: the resume takes the new settings, says
+    what changed, and the optimizer steps with the new LR, not the checkpointed one."""
+    system = write_water_system(tmp_path / "sys", 4)
+    run = tmp_path / "run"
+    constant_lr = ("optim.schedule='constant'", "optim.warmup_fraction=0")
+    common = ("run.steps=4", "run.eval_every=1", *constant_lr)
+    first = (*common, "optim.lr=1e-3", "data.batch_size=2", "run.session_steps=2")
+    train(load_config(None, tiny_run_overrides(system, run, *first)))
+    caplog.set_level("WARNING", logger="so2serve.training")
+    retuned = ("optim.lr=2e-4", "optim.clip_norm=1.0", "data.batch_size=1", "run.resume=true")
+    resumed = train(load_config(None, tiny_run_overrides(system, run, *common, *retuned)))
+    assert resumed.steps == 4
+    rows = list(csv.DictReader(resumed.log_csv.open()))
+    assert [float(row["lr"]) for row in rows] == pytest.approx([1e-3, 1e-3, 2e-4, 2e-4])
+    optimizer = load_checkpoint(resumed.checkpoint_path)["optimizer"]
+    assert [group["lr"] for group in optimizer["param_groups"]] == [2e-4]
+    changes = ("optim.lr 0.001 → 0.0002", "optim.clip_norm 10.0 → 1.0", "data.batch_size 2 → 1")
+    assert all(change in caplog.text for change in changes), caplog.text
+    event = _read_resume_event(resumed.log_jsonl)
+    assert event["retuned"]["optim.lr"] == [1e-3, 2e-4]
+    assert event["lr"] == {"checkpointed": 1e-3, "now": 2e-4}
+
+
+def test_resume_with_more_steps_reports_the_lr_it_moves_to(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The schedules are functions of step / run.steps: extending a run moves it back along the
+    cosine, which the resume reports with the LR before and after."""
+    system = write_water_system(tmp_path / "sys", 4)
+    run = tmp_path / "run"
+    first = load_config(None, tiny_run_overrides(system, run, "run.steps=4", "run.session_steps=2"))
+    train(first)
+    caplog.set_level("WARNING", logger="so2serve.training")
+    longer = ("run.steps=8", "run.session_steps=1", "run.resume=true")
+    train(load_config(None, tiny_run_overrides(system, run, *longer)))
+    before, after = learning_rate(2 / 4, first.optim), learning_rate(2 / 8, first.optim)
+    assert after > before
+    assert f"run.steps 4 → 8: the next step's LR is {after:.4g} ({before:.4g} with" in caplog.text
+    assert "step / run.steps" in caplog.text
+
+
+def test_fused_path_check_falls_back_on_a_triton_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton's compile and resource errors are not RuntimeErrors; the second-order check still
+    falls back to the reference path on them, as it promises."""
+    from triton.runtime.errors import OutOfResources
+
+    system = write_water_system(tmp_path / "sys", 4)
+    config = load_config(None, tiny_run_overrides(system, tmp_path / "run", "run.path='fused'"))
+    data = prepare_data(config.data)
+    trainer = Trainer(config, data, build_model(config, data.type_map))
+    assert trainer.potential.execution.path == "fused"
+
+    def gradients(potential: Potential, *args: object) -> tuple[torch.Tensor, float]:
+        if potential.execution.path == "fused":
+            raise OutOfResources(98304, 65536, "shared memory")
+        return torch.ones(3), 0.01
+
+    monkeypatch.setattr(loop, "force_loss_gradients", gradients)
+    assert choose_training_path(trainer) == "reference"
+    assert trainer.potential.execution.path == "reference"

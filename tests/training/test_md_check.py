@@ -50,3 +50,30 @@ def test_bad_input_is_one_error_line(
     result = CliRunner().invoke(app, [model, system, "--device", "cpu", "--out", str(tmp_path)])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert "error:" in result.output and fragment in result.output
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "fragment"),
+    [
+        ("--timestep-fs", "-1", "--timestep-fs must be > 0"),
+        ("--sample-every", "0", "--sample-every must be ≥ 1"),
+        ("--steps", "0", "--steps must be ≥ 1"),
+        ("--out", "a_file", "--out: cannot create folder"),
+    ],
+)
+def test_bad_options_are_refused_before_the_md(
+    tmp_path: Path, option: str, value: str, fragment: str
+) -> None:
+    """Options the MD or the report cannot use (``--out`` a file failed with FileExistsError
+    after the whole MD) are one error line, exit code 2, found before the model and data are
+    (the missing ones here would be reported otherwise)."""
+    (tmp_path / "a_file").write_text("")
+    app = typer.Typer()
+    app.command()(md_check.main)
+    given = str(tmp_path / value) if option == "--out" else value
+    out = [] if option == "--out" else ["--out", str(tmp_path / "out")]
+    args = ["/nonexistent.safetensors", "/nonexistent/system", option, given, *out]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+    assert fragment in result.output
