@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from service.engine import (
+    DeviceFaultError,
     EngineClosedError,
     EvaluationFailedError,
     QueueFullError,
@@ -139,6 +140,8 @@ def as_api_error(exc: Exception) -> ApiError | None:
         )
     if isinstance(exc, EngineClosedError):
         return ApiError(503, exc.code, exc.message, headers={"Retry-After": "5"})
+    if isinstance(exc, DeviceFaultError):  # no Retry-After: this server will not recover
+        return ApiError(503, exc.code, exc.message, detail={"device": exc.device})
     if isinstance(exc, StructureTooLargeError):
         detail = {
             "field": f"structures[{exc.index}]",
@@ -171,6 +174,7 @@ _MAPPED = (
     TooManyAtomsError,
     QueueFullError,
     EngineClosedError,
+    DeviceFaultError,
     StructureTooLargeError,
     EvaluationFailedError,
     StarletteHTTPException,

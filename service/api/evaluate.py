@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ from service.api.wire import (
     response_format,
     structure_results,
 )
-from service.engine import EvaluationResult
+from service.engine import Engine, EvaluationResult, QueueFullError
 
 EVALUATE_PATH = "/evaluate"
 
@@ -51,6 +51,12 @@ costs per structure more than per byte: 1 MiB of one-atom structures held the lo
 (2-core CPU), 32 KiB of them ~60 ms; a 192-atom structure (~15 KB of JSON) stays inline. The
 JSON parser holds the GIL, so a very large JSON body still pauses the other threads (~1.8 s for
 70 MB); msgpack bodies with raw arrays are unpacked without building a Python float per value."""
+
+ENCODE_IN_THREAD_ITEMS = 16384
+"""Answers for more atoms plus structures than this are built and encoded in a thread. On a
+2-core CPU an answer for 16k atoms took 2–3 ms of loop time as JSON (0.1–2 ms as msgpack), a
+20,000 × 100-atom one 1.2 s, during which the loop served no one (health checks included);
+below it, the thread hop would cost an MD step more than the encoding."""
 
 CLIENT_CLOSED_REQUEST = 499
 """Status recorded (never seen by anyone) when the client left before the answer."""
@@ -146,6 +152,9 @@ class EvaluateEndpoint:
         fmt_in = request_format(headers.get("content-type"), headers.get("content-encoding"))
         fmt_out = response_format(headers.get("accept"), fmt_in)
         settings = state.settings
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > PARSE_IN_THREAD_BYTES:
+            _refuse_unread_if_full(engine)
         body = await _read_body(
             receive, headers.get("content-length"), settings.max_body_bytes,
             settings.body_timeout_s,
@@ -179,19 +188,34 @@ class EvaluateEndpoint:
         # (B,) periodic along all axes; numpy: a fraction of a torch op's dispatch cost
         periodic = np.logical_and.reduce(structures.pbc.numpy(), axis=1)
         timings = _timings(result, started, read, decoded, resumed)
-        document = {
-            "results": structure_results(result, parsed.properties, periodic),
-            "provenance": {
-                "request_id": request_id,
-                "server_version": state.server_version,
-                **state.provenance,
-                "timings": timings,
-                "passes": result.timings.passes,
-                "inline": result.timings.inline,
-            },
+        provenance = {
+            "request_id": request_id,
+            "server_version": state.server_version,
+            **state.provenance,
+            "timings": timings,
+            "passes": result.timings.passes,
+            "inline": result.timings.inline,
         }
-        payload = encode(document, fmt_out)
+        answer = functools.partial(
+            _encode_answer, result, parsed.properties, periodic, provenance, fmt_out
+        )
+        if structures.n_atoms + structures.n_structures > ENCODE_IN_THREAD_ITEMS:
+            payload = await asyncio.to_thread(answer)
+        else:
+            payload = answer()
         return _Answer(payload, fmt_out, time.perf_counter() - resumed)
+
+
+def _encode_answer(
+    result: EvaluationResult,
+    properties: Sequence[str],
+    periodic: np.ndarray,
+    provenance: dict[str, Any],
+    fmt: WireFormat,
+) -> bytes:
+    """The answer's bytes: a result per structure, then the provenance."""
+    results = structure_results(result, properties, periodic)
+    return encode({"results": results, "provenance": provenance}, fmt)
 
 
 def _timings(
@@ -267,6 +291,20 @@ async def _receive_body(receive: Receive, limit: int) -> bytes | None:
         if not message.get("more_body", False):
             return b"".join((*chunks, chunk)) if chunks else chunk
         chunks.append(chunk)
+
+
+def _refuse_unread_if_full(engine: Engine) -> None:
+    """503 queue_full before reading a large body: reading and parsing it (seconds of a core
+    for megabytes of JSON) would be wasted, and a client retrying on 503 sends it again."""
+    try:
+        engine.refuse_if_full()
+    except QueueFullError as exc:
+        error = as_api_error(exc)
+        assert error is not None
+        headers = {**(error.headers or {}), **_CLOSE}
+        raise ApiError(
+            error.status, error.code, error.message, detail=error.detail, headers=headers
+        ) from None
 
 
 def _body_too_large(size: int, limit: int) -> ApiError:

@@ -38,11 +38,16 @@ async def live() -> Response:
     "/health/ready", response_model=Health, responses={503: {"model": ErrorResponse}}
 )
 async def ready(state: State) -> Response:
-    """The model is loaded, warmed up and accepting work."""
+    """The model is loaded, warmed up and accepting work, and no device has broken down (a
+    broken one stays broken until the server restarts: an orchestrator should restart it)."""
     if not state.ready:
         return error_response(
             503, "not_ready", "the model is not loaded yet, or the server is stopping"
         )
+    faults = [] if state.engine is None else state.engine.faults
+    if faults:
+        devices = [fault.device for fault in faults]
+        return error_response(503, faults[0].code, faults[0].message, {"devices": devices})
     return _json({"status": "ready"})
 
 

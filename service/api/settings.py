@@ -6,7 +6,9 @@ environment variables (``SO2SERVE_MAX_ATOMS=50000``, ``SO2SERVE_API_KEY=...``), 
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -126,6 +128,24 @@ class ServiceSettings(BaseSettings):
         if value is not None and not value.get_secret_value():
             raise ValueError("the API key must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _no_unknown_environment_variables(self) -> ServiceSettings:
+        # pydantic-settings reads the variables it knows and ignores the rest: a misspelt one
+        # (SO2SERVE_INLINE_MAX_ATOM) would leave its setting at the default without a word.
+        known = {f"SO2SERVE_{name.upper()}" for name in type(self).model_fields}
+        unknown = sorted(
+            name for name in os.environ if name.upper().startswith("SO2SERVE_")
+            and name.upper() not in known
+        )  # fmt: skip
+        if unknown:
+            guess = difflib.get_close_matches(unknown[0].upper(), sorted(known), n=1)
+            hint = f" (did you mean {guess[0]}?)" if guess else ""
+            raise ValueError(
+                f"unknown environment variable {unknown[0]}{hint}: no setting has that name "
+                "(the settings: docs/service.md)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _refuse_open_exposure(self) -> ServiceSettings:

@@ -2,6 +2,7 @@
 
 from service.engine.batcher import BatchLimits, Engine, EvaluationResult, EvaluationTimings
 from service.engine.errors import (
+    DeviceFaultError,
     EngineClosedError,
     EngineError,
     EvaluationFailedError,
@@ -16,6 +17,7 @@ from service.engine.worker import BatchOutput, Worker
 __all__ = [
     "BatchLimits",
     "BatchOutput",
+    "DeviceFaultError",
     "Engine",
     "EngineClosedError",
     "EngineError",

@@ -71,6 +71,7 @@ from prometheus_client import Gauge
 from torch import Tensor
 
 from service.engine.errors import (
+    DeviceFaultError,
     EngineClosedError,
     EvaluationFailedError,
     QueueFullError,
@@ -405,6 +406,11 @@ class Engine:
         """The device of every lane, in lane order."""
         return [str(lane.worker.device) for lane in self._lanes]
 
+    @property
+    def faults(self) -> list[DeviceFaultError]:
+        """Why each broken device stopped working (empty while every device works)."""
+        return [lane.worker.fault for lane in self._lanes if lane.worker.fault is not None]
+
     async def start(self) -> None:
         """Start the worker threads; from now on requests are admitted on this event loop."""
         self._loop = asyncio.get_running_loop()
@@ -477,17 +483,13 @@ class Engine:
     ) -> _Job:
         if not self.running:
             raise EngineClosedError("the model is not loaded yet, or the server is stopping")
+        if not self._working_lanes():
+            raise self.faults[0]
         atom_ptr = _host(structures.ptr)
         atom_counts = atom_ptr[1:] - atom_ptr[:-1]
         self._check_sizes(atom_counts)
         self._check_elements(structures, atom_ptr)
-        if len(self._queue) >= self._limits.max_queue:
-            self._metrics.rejected.labels("queue_full").inc()
-            raise QueueFullError(
-                f"the queue holds {len(self._queue)} requests, its limit (--max-queue); "
-                "retry later",
-                retry_after_s=self._retry_after_s(),
-            )
+        self.refuse_if_full()
         edges = estimate_edges(structures, self._rcut, atom_counts)
         edge_cumsum = np.empty(len(edges) + 1)
         edge_cumsum[0] = 0.0
@@ -508,6 +510,17 @@ class Engine:
         self._queued_edges += float(job.edge_cumsum[-1])
         self._metrics.queue_depth.set(len(self._queue))
         return job
+
+    def refuse_if_full(self) -> None:
+        """``QueueFullError`` (counted as rejected) while the queue is at its limit: what
+        admission answers, for a caller that can refuse before reading a request's body."""
+        if len(self._queue) >= self._limits.max_queue:
+            self._metrics.rejected.labels("queue_full").inc()
+            raise QueueFullError(
+                f"the queue holds {len(self._queue)} requests, its limit (--max-queue); "
+                "retry later",
+                retry_after_s=self._retry_after_s(),
+            )
 
     def _check_sizes(self, atom_counts: np.ndarray) -> None:
         if atom_counts.max() <= self._limits.max_atoms:
@@ -624,8 +637,11 @@ class Engine:
             raise EngineClosedError("the engine is not started")
         return lane.thread
 
+    def _working_lanes(self) -> list[_Lane]:
+        return [lane for lane in self._lanes if lane.worker.fault is None]
+
     def _idle_lane(self) -> _Lane | None:
-        return next((lane for lane in self._lanes if lane.running is None), None)
+        return next((lane for lane in self._working_lanes() if lane.running is None), None)
 
     def _all_idle(self) -> bool:
         return all(lane.running is None for lane in self._lanes)
@@ -639,6 +655,11 @@ class Engine:
         the pass before the timer fires.
         """
         while self._open and self._queue:
+            if self._queue[0].future.done():
+                # Cancelled, and its withdrawal (a done-callback) runs only on the loop's next
+                # turn: computing it now would be a pass for nobody.
+                self._dequeue(self._queue[0])
+                continue
             lane = self._idle_lane()
             if lane is None:
                 return
@@ -750,7 +771,7 @@ class Engine:
             return  # stop() has already failed every request of this batch
         if isinstance(outcome, BaseException):
             self._fail(batch, outcome)
-            self._require_loop().call_soon(self._record_batch, batch)
+            self._require_loop().call_soon(self._record_batch, batch, 0, 0)
         else:
             self._deliver(lane, batch, outcome)
         self._expect_returns(batch, time.perf_counter())
@@ -781,6 +802,9 @@ class Engine:
         n_edges = 0.0
         while self._queue:
             job = self._queue[0]
+            if job.future.done():  # cancelled since the dispatch began (see above)
+                self._dequeue(job)
+                continue
             stop = job.fitting_stop(atom_budget - n_atoms, edge_budget - n_edges)
             if stop == job.cursor:
                 if chunks:
@@ -815,7 +839,7 @@ class Engine:
         the queued work where it would fit in fewer passes than there are idle devices (a
         request of 64 structures that fits one pass takes half the time on two)."""
         limits = self._limits
-        idle = sum(lane.running is None for lane in self._lanes)
+        idle = sum(lane.running is None for lane in self._working_lanes())
         if idle < 2:
             return limits.max_batch_atoms, limits.max_batch_edges
         return (
@@ -843,7 +867,9 @@ class Engine:
             inline=True,
         )
 
-    def _record_batch(self, batch: _Batch) -> None:
+    def _record_batch(self, batch: _Batch, delivered_structures: int, delivered_atoms: int) -> None:
+        """The pass's shape, and the structures and atoms it delivered results for (a failed
+        structure's request gets none: it is no throughput)."""
         m, limits = self._metrics, self._limits
         m.batch_requests.observe(len(batch.jobs))
         m.batch_structures.observe(batch.n_structures)
@@ -852,14 +878,15 @@ class Engine:
         m.batch_fill.observe(
             max(batch.n_atoms / limits.max_batch_atoms, batch.n_edges / limits.max_batch_edges)
         )
-        m.structures.inc(batch.n_structures)
-        m.atom_steps.inc(batch.n_atoms)
+        m.structures.inc(delivered_structures)
+        m.atom_steps.inc(delivered_atoms)
 
     # results
 
     def _deliver(self, lane: _Lane, batch: _Batch, output: BatchOutput) -> None:
         self._last_pass_s = output.seconds
         queue_waits: list[float] = []  # of the requests this pass answers
+        delivered = [0, 0]  # structures, atoms
         for chunk in batch.chunks:
             job = chunk.job
             job.in_flight -= 1
@@ -881,19 +908,28 @@ class Engine:
                 queue_waits.append(started - job.admitted_at)
                 continue
             job.parts.append((chunk.start, chunk.results(output)))
+            delivered[0] += chunk.stop - chunk.start
+            delivered[1] += chunk.n_atoms
             if job.cursor == job.n_structures and job.in_flight == 0:
                 job.delivered_at = time.perf_counter()
                 job.future.set_result(self._assemble(job))
                 queue_waits.append(started - job.admitted_at)
         # After the handlers this has woken, which answer their clients first.
-        self._require_loop().call_soon(self._record_pass, lane, batch, output, queue_waits)
+        self._require_loop().call_soon(
+            self._record_pass, lane, batch, output, queue_waits, delivered
+        )
 
     def _record_pass(
-        self, lane: _Lane, batch: _Batch, output: BatchOutput, queue_waits: list[float]
+        self,
+        lane: _Lane,
+        batch: _Batch,
+        output: BatchOutput,
+        queue_waits: list[float],
+        delivered: list[int],
     ) -> None:
         # Not when the pass starts: the loop would hold the interpreter lock the worker
         # thread needs to begin the pass.
-        self._record_batch(batch)
+        self._record_batch(batch, *delivered)
         m = self._metrics
         m.pass_seconds.observe(output.seconds)
         if batch.follows_pass_at is not None:
@@ -908,14 +944,22 @@ class Engine:
 
     def _fail(self, batch: _Batch, exc: BaseException) -> None:
         """A pass failed as a whole (per-structure failures are isolated before this): no
-        structure is named, so a client does not blame one and resend the rest."""
+        structure is named, so a client does not blame one and resend the rest. A broken
+        device takes no more passes; once none works, what is queued fails with it too."""
+        reason = exc if isinstance(exc, DeviceFaultError) else None
         for chunk in batch.chunks:
             chunk.job.in_flight -= 1
             if not chunk.job.future.done():
-                self._abandon(chunk.job, EvaluationFailedError(index=None, cause=exc))
+                self._abandon(chunk.job, reason or EvaluationFailedError(index=None, cause=exc))
+        if reason is not None and not self._working_lanes():
+            for job in list(self._queue):
+                if not job.future.done():
+                    self._abandon(job, reason)
 
     def _abandon(self, job: _Job, reason: BaseException) -> None:
         """Fail a request as a whole (no partial results) and drop what is still queued."""
+        code = getattr(reason, "code", "evaluation_failed")
+        self._metrics.evaluation_failures.labels(code).inc(job.n_structures)
         job.future.set_exception(reason)
         self._dequeue(job)
 

@@ -69,6 +69,21 @@ class EvaluationFailedError(EngineError):
         self.index = index
 
 
+class DeviceFaultError(EngineError):
+    """The device itself failed (an illegal address, a lost or reset GPU): CUDA keeps such an
+    error in the process's context, so this device can run nothing more until the server
+    restarts. No structure is to blame (HTTP 503; /health/ready answers 503 from then on)."""
+
+    code = "device_error"
+
+    def __init__(self, *, device: str, cause: BaseException) -> None:
+        super().__init__(
+            f"device {device} failed ({type(cause).__name__}: {cause}) and cannot run passes "
+            "until the server restarts; no structure is to blame"
+        )
+        self.device = device
+
+
 class EngineClosedError(EngineError):
     """The engine is not running (starting up or shutting down; HTTP 503)."""
 

@@ -173,6 +173,19 @@ class ServiceMetrics:
             "Batches bisected after a device out-of-memory error.",
             registry=r,
         )
+        self.device_faults = Counter(
+            "so2serve_device_faults",
+            "Devices found broken after a failed pass (a sticky CUDA error; /health/ready "
+            "answers 503 from then on).",
+            ["device"],
+            registry=r,
+        )
+        self.evaluation_failures = Counter(
+            "so2serve_evaluation_failures",
+            "Structures of requests answered with an error after admission, by error code.",
+            ["code"],
+            registry=r,
+        )
         self.oom_failures = Counter(
             "so2serve_oom_failures",
             "Single structures that did not fit even alone (HTTP 507).",

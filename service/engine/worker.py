@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from service.engine.errors import StructureTooLargeError
+from service.engine.errors import DeviceFaultError, StructureTooLargeError
 from service.engine.evaluator import Evaluator, PredictionLike
 from service.engine.kernel_sets import preload_recorded_kernels
 from service.engine.metrics import ServiceMetrics
@@ -228,6 +228,7 @@ class Worker:
         self._evaluator = evaluator
         self._metrics = metrics
         self.device = torch.device(evaluator.execution.device)
+        self.fault: DeviceFaultError | None = None  # set once the device stops working
         # One series per GPU: with several devices one unlabelled gauge flipped between them.
         self._memory_peak = (
             metrics.gpu_memory_peak.labels(str(self.device)) if self.device.type == "cuda" else None
@@ -323,6 +324,13 @@ class Worker:
             )
             # Drop the traceback: its frames pin the failed pass's device tensors.
             reason = None if oom else exc.with_traceback(None)
+            if not oom and not self._device_responds():
+                # Bisecting would run a pass per structure, each failing the same way, and
+                # blame every structure in turn (a client resends the rest after each).
+                self.fault = DeviceFaultError(device=str(self.device), cause=exc)
+                self._metrics.device_faults.labels(str(self.device)).inc()
+                log.error("device %s stopped working", self.device, exc_info=exc)
+                raise self.fault from None
         if oom:
             self._release_cached_memory()
         own = properties if asked is None or refused else asked.of(first_index)
@@ -369,6 +377,18 @@ class Worker:
         for part in parts[1:]:
             joined = _Partial.join(joined, part)
         return joined
+
+    def _device_responds(self) -> bool:
+        """Whether the device still runs work after a failed pass: a sticky CUDA error (an
+        illegal address, a device-side assert, a lost GPU) fails every later call as well,
+        while a structure's own failure leaves the context usable."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            probe = torch.ones(1, device=self.device)
+            return bool((probe + probe).item() == 2.0)
+        except Exception:  # any failure of the probe itself is the answer
+            return False
 
     def _release_cached_memory(self) -> None:
         # A Potential also holds recorded CUDA graphs (private pools); evaluators without any

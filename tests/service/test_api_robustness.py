@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import msgpack
 import orjson
 import pytest
 import uvicorn
@@ -218,3 +219,53 @@ def test_an_endless_request_head_is_refused_with_431_before_it_fills_memory(
     headers = {f"X-Filler-{k}": "a" * 1000 for k in range(20)}
     assert client.post("/evaluate", json=doc, headers=headers).status_code == 200
     still_serving(client)
+
+
+def test_a_large_body_meets_a_full_queue_before_it_is_read() -> None:
+    # It was read and parsed (seconds of a core for megabytes of JSON) only to be refused, and
+    # a client retrying on 503 sends it again.
+    with serve(PairPotential(delay_s=1.0), max_queue=1, inline_max_atoms=0) as (url, potential):
+        doc = request_document([small_molecule()], ["energy"])
+        with httpx.Client(base_url=url, timeout=30) as c:
+            busy = threading.Thread(target=c.post, args=("/evaluate",), kwargs={"json": doc})
+            busy.start()
+            while not potential.calls:  # the first request is on the device
+                time.sleep(0.01)
+            queued = threading.Thread(target=c.post, args=("/evaluate",), kwargs={"json": doc})
+            queued.start()
+            time.sleep(0.2)  # now the queue is full
+            port = int(url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                # A 10 MB body announced, none of it sent: the answer comes at once.
+                sock.sendall(b"POST /evaluate HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: 10000000\r\n\r\n")  # fmt: skip
+                started = time.perf_counter()
+                answer = sock.recv(65536)
+                waited = time.perf_counter() - started
+            busy.join()
+            queued.join()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), answer
+    assert b"connection: close" in head.lower() and b"retry-after:" in head.lower()
+    assert orjson.loads(body)["code"] == "queue_full"
+    assert waited < 0.5  # not after a body timeout
+
+
+def test_a_large_answer_encoded_in_a_thread_is_the_answer_encoded_inline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from service.api import evaluate
+
+    structures = [small_molecule("CH3OH", seed=k) for k in range(3)]
+    doc = request_document(structures, ["energy", "forces", "energies"])
+    answers = []
+    with serve() as (url, _), httpx.Client(base_url=url, timeout=30) as c:
+        for threshold in (10**9, 4):  # inline, then in a thread
+            monkeypatch.setattr(evaluate, "ENCODE_IN_THREAD_ITEMS", threshold)
+            for accept in ("application/json", "application/msgpack"):
+                reply = c.post("/evaluate", json=doc, headers={"Accept": accept})
+                assert reply.status_code == 200, reply.text
+                answers.append(reply.content)
+    # The same results (the provenance's timings differ).
+    assert orjson.loads(answers[0])["results"] == orjson.loads(answers[2])["results"]
+    assert msgpack.unpackb(answers[1])["results"] == msgpack.unpackb(answers[3])["results"]

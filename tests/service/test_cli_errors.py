@@ -121,6 +121,13 @@ def test_a_bad_environment_variable_is_named(
     assert served == []
 
 
+def test_a_misspelt_environment_variable_is_refused_not_ignored(served: list[object]) -> None:
+    # pydantic-settings ignores variables it does not know: the setting stayed at its default.
+    result = CliRunner().invoke(app, ["serve"], env={"SO2SERVE_INLINE_MAX_ATOM": "5"})
+    assert_one_line_error(result, "SO2SERVE_INLINE_MAX_ATOM", "SO2SERVE_INLINE_MAX_ATOMS?")
+    assert served == []
+
+
 def test_a_bad_flag_is_named_as_typed(served: list[object]) -> None:
     assert_one_line_error(serve("--max-atoms", "-1"), "--max-atoms", "greater than 0")
     assert_one_line_error(
