@@ -22,8 +22,8 @@
   batch is resubmitted, so one bad structure costs nothing else; its row's message is about it
   alone (no place in a batch). Authentication and addressing errors (401/403/404/415, 501
   from a server that takes no POST) abort the run, and so does a service that stays
-  unreachable or unavailable through every retry (no structure's fault: the same command
-  resumes the run).
+  unreachable or unavailable through every retry, or in process a GPU that broke down (no
+  structure's fault: the same command resumes the run).
 * One folder, one run, one model: a lock file keeps a second run out of a folder being
   written, and a resumed run whose evaluator answers with another model than the folder's
   results stops before writing any.
@@ -331,13 +331,17 @@ class _EngineBackend:
         }
 
     async def evaluate(self, atoms: list[Atoms]) -> tuple[list[dict[str, Any]], ModelIdentity]:
-        from service.engine.errors import EngineError
+        from service.engine.errors import DeviceFaultError, EngineError
         from service.graph.errors import InvalidStructureError
         from service.graph.structures import Structures
 
         try:
             structures = Structures.from_atoms(atoms)
             result = await (await self._running()).evaluate(structures, PROPERTIES)
+        except DeviceFaultError as exc:  # no structure's fault, and this process is done
+            raise ScreenAborted(
+                f"{exc.message}; run the same command again to resume in a new process"
+            ) from None
         except (InvalidStructureError, EngineError) as exc:
             raise _Rejected(exc.code, exc.message, getattr(exc, "index", None)) from exc
         ptr = result.atom_ptr.tolist()

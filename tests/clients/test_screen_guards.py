@@ -138,3 +138,18 @@ def test_the_summary_max_force_leaves_out_fixed_atoms(tmp_path: Path) -> None:
     free = np.linalg.norm(forces[2:], axis=1).max()
     assert float(row["fmax_eV_per_A"]) == pytest.approx(free, rel=1e-6)
     assert np.linalg.norm(forces[:2], axis=1).max() > free  # the fixed atoms would have won
+
+
+def test_a_broken_device_aborts_an_in_process_run_resumably(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Journalled per structure, a GPU that broke down would have failed every structure left.
+    from service.engine import Worker
+    from tests.service.test_engine_device_faults import IllegalAddress
+
+    monkeypatch.setattr(Worker, "_device_responds", lambda self: False)
+    source = _waters(tmp_path / "in.extxyz", 3)
+    out = tmp_path / "out"
+    with pytest.raises(ScreenAborted, match=r"device cpu failed.*resume"):
+        screen([source], ScreenOptions(output_dir=out, progress=False), evaluator=IllegalAddress())
+    assert (out / JOURNAL_FILE).read_text() == ""
