@@ -53,6 +53,12 @@ class ServiceError(CalculationFailed):
         self.detail = detail
 
 
+class RejectedStructureServiceError(ServiceError, ValueError):
+    """The service refused a structure itself (422, or 413 ``too_many_atoms``): also a
+    ValueError, as the in-process calculator's refusal is, so that one ``except`` (ValueError
+    or ASE's CalculationFailed) serves both calculators."""
+
+
 def typed_array(values: np.ndarray, dtype: str) -> dict[str, Any]:
     """A msgpack typed array ``{"dtype", "shape", "data"}`` (raw bytes, C order); ``data`` is
     a view that msgpack packs as ``bin`` straight from the array's buffer."""
@@ -130,7 +136,9 @@ def error_from_response(status: int, content: bytes) -> ServiceError:
     except (orjson.JSONDecodeError, KeyError, TypeError):
         text = content[:500].decode("utf-8", "replace")
         code, message, detail = f"http_{status}", text, None
-    return ServiceError(
+    refused = status == 422 or (status == 413 and code == "too_many_atoms")
+    kind = RejectedStructureServiceError if refused else ServiceError
+    return kind(
         f"so2serve answered {status} {code}: {message}", code=code, status=status, detail=detail
     )
 

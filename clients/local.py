@@ -12,8 +12,15 @@ from ase.calculators.calculator import CalculationFailed
 from clients._properties import IMPLEMENTED_PROPERTIES, SerialCalculator
 from service.engine.evaluator import Evaluator
 from service.engine.kernel_sets import preload_recorded_kernels
+from service.graph.errors import InvalidStructureError
 from service.graph.structures import Structures
 from service.model.errors import non_finite_fields
+
+
+class RejectedStructureError(InvalidStructureError, CalculationFailed):
+    """The model refused the structure: an ``InvalidStructureError`` (a ValueError) that is
+    also ASE's CalculationFailed, as the HTTP calculator's refusal is, so that one ``except``
+    serves both calculators."""
 
 
 def _host(value: Any) -> np.ndarray:
@@ -32,9 +39,10 @@ class SO2LocalCalculator(SerialCalculator):
             fast mixing-stack GEMMs, fused path only); reported in the potential's execution info.
 
     A model loaded here on a GPU has its recorded kernel set compiled at once, before the
-    first calculation (``service.engine.kernel_sets``). Invalid structures raise
-    ``service.graph.errors.InvalidStructureError`` (a ValueError); a result with NaN or inf
-    raises ASE's ``CalculationFailed`` instead of being returned.
+    first calculation (``service.engine.kernel_sets``). A structure the model refuses raises
+    ``RejectedStructureError``: a ``service.graph.errors.InvalidStructureError`` (a ValueError)
+    and ASE's ``CalculationFailed``, as the HTTP calculator's refusal is; a result with NaN or
+    inf raises ``CalculationFailed`` instead of being returned.
     """
 
     implemented_properties = IMPLEMENTED_PROPERTIES
@@ -62,7 +70,12 @@ class SO2LocalCalculator(SerialCalculator):
             self.potential = model
 
     def evaluate(self, atoms: Atoms, wanted: frozenset[str]) -> dict[str, Any]:
-        prediction = self.potential.predict(Structures.from_atoms([atoms]), wanted)
+        try:
+            prediction = self.potential.predict(Structures.from_atoms([atoms]), wanted)
+        except InvalidStructureError as exc:
+            raise RejectedStructureError(
+                exc.code, exc.message, field=exc.field, index=exc.index
+            ) from exc
         energy = float(prediction.energy[0])
         results: dict[str, Any] = {"energy": energy, "free_energy": energy}
         if prediction.forces is not None:

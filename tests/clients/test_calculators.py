@@ -141,18 +141,31 @@ def test_a_failed_calculation_leaves_no_earlier_results_behind(
     water.get_potential_energy()
     uranium = Atoms("HU", positions=[[0, 0, 0], [2, 0, 0]])
     uranium.calc = calc
-    refused = ValueError if kind == "local" else CalculationFailed
-    with pytest.raises(refused, match=r"Z=92 is not supported|this model knows only"):
+    with pytest.raises(CalculationFailed, match=r"Z=92 is not supported|this model knows only"):
         if ask == "get_properties":
             uranium.get_properties(["energy", "forces"])
         else:
             calc.calculate(uranium, ["energy", "forces"])
     assert calc.results == {} and calc.atoms is None
-    with pytest.raises(refused, match=r"Z=92 is not supported|this model knows only"):
+    with pytest.raises(ValueError, match=r"Z=92 is not supported|this model knows only"):
         uranium.get_potential_energy()
     assert water.get_potential_energy() == pytest.approx(
         SO2LocalCalculator(PairPotential()).get_potential_energy(water.copy()), abs=1e-12
     )
+
+
+@pytest.mark.parametrize("kind", ["http", "local"])
+def test_a_refused_structure_is_a_value_error_and_calculation_failed_in_both(
+    server: tuple[str, PairPotential], kind: str
+) -> None:
+    # It was a ValueError in process and a CalculationFailed over HTTP: code catching one of
+    # them broke when the calculator was switched.
+    calc = SO2Calculator(server[0]) if kind == "http" else SO2LocalCalculator(PairPotential())
+    uranium = Atoms("HU", positions=[[0, 0, 0], [2, 0, 0]])
+    with pytest.raises(ValueError) as info:
+        calc.get_potential_energy(uranium)
+    assert isinstance(info.value, CalculationFailed)
+    assert getattr(info.value, "code", None) == "unknown_element"
 
 
 def test_a_non_finite_in_process_result_raises_calculation_failed() -> None:
