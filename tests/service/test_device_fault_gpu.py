@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 _SCENARIO = textwrap.dedent(
     """
-    import asyncio, sys
+    import asyncio, os, sys
     from dataclasses import dataclass
     import torch
     from service.engine import BatchLimits, DeviceFaultError, Engine, ServiceMetrics, Worker
@@ -49,6 +49,8 @@ _SCENARIO = textwrap.dedent(
               len(engine.faults))
 
     asyncio.run(main(sys.argv[1] == "sticky"))
+    sys.stdout.flush()
+    os._exit(0)  # a broken context's teardown may abort the process: the answer is out
     """
 )
 
