@@ -277,6 +277,9 @@ json.dump({"meta": {}, "configs": k._load_table(torch.cuda.get_device_name())}, 
     run python3 benchmarks/service.py "$@"
     ;;
   train)
+    # A warm machine keeps the last call's run (runs/ is not in the checkout): a fresh run is
+    # refused there, and the copies below would publish the old model.
+    rm -rf runs/water_small
     STEP_S=${TRAIN_S:-560} run python3 -m service.cli train configs/water_small.toml "$@"
     cp runs/water_small/model.safetensors "$out/default.safetensors" 2>/dev/null
     cp runs/water_small/log.csv "$out/train_log.csv" 2>/dev/null

@@ -38,13 +38,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import errno
 import io
 import itertools
 import json
 import os
 import re
+import ssl
 import sys
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,8 +225,10 @@ class _HttpBackend:
             headers=headers,
             limits=httpx.Limits(max_connections=options.concurrency),
             # As the ASE calculator: no http_proxy from the environment (HPC login nodes set
-            # one, and it took even 127.0.0.1 to the proxy).
+            # one, and it took even 127.0.0.1 to the proxy); and as it, the system's CA store
+            # with OpenSSL's SSL_CERT_FILE/SSL_CERT_DIR (which trust_env=False alone drops).
             trust_env=False,
+            verify=ssl.create_default_context(),
         )
 
     def _results(
@@ -392,13 +397,19 @@ class _ResultStore:
     def __init__(self, output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self._lock = _hold_folder(output_dir)
-        self.results_path = output_dir / RESULTS_FILE
-        self.summary_path = output_dir / SUMMARY_FILE
-        self._journal_path = output_dir / JOURNAL_FILE
-        self.entries = self._recover()
-        self.model = next((e["model"] for e in self.entries.values() if "model" in e), None)
-        self._results = self.results_path.open("ab")
-        self._journal = self._journal_path.open("a", encoding="utf-8")
+        try:
+            self.results_path = output_dir / RESULTS_FILE
+            self.summary_path = output_dir / SUMMARY_FILE
+            self._journal_path = output_dir / JOURNAL_FILE
+            self.entries = self._recover()
+            self.model = next((e["model"] for e in self.entries.values() if "model" in e), None)
+            self._results = self.results_path.open("ab")
+            self._journal = self._journal_path.open("a", encoding="utf-8")
+        except BaseException:
+            # The exception may live on (a notebook's last error): the folder must not stay
+            # locked behind it once the user has fixed what it says.
+            self._lock.close()
+            raise
 
     def _recover(self) -> dict[str, dict[str, Any]]:
         """Entries of earlier runs whose frames are intact; cut off anything half-written."""
@@ -469,7 +480,7 @@ class _ResultStore:
         another (a server restarted on a retrained file) stops before mixing them."""
         if self.model is None:
             self.model = model
-        elif (model["name"], model["sha256"]) != (self.model["name"], self.model["sha256"]):
+        elif not _same_model(model, self.model):
             raise ScreenAborted(
                 f"the results in {self.results_path.parent} come from model "
                 f"{_model_label(self.model)}, but this run's evaluator answers with "
@@ -546,7 +557,30 @@ def _hold_folder(output_dir: Path) -> IO[bytes]:
             f"another so2serve screen is writing to {output_dir}; wait for it to finish or "
             "choose another --out folder"
         ) from None
+    except OSError as exc:
+        if exc.errno not in _NO_FLOCK:
+            lock.close()
+            raise
+        # Lustre mounted noflock, NFSv3 without lockd: screening works there, unguarded.
+        warnings.warn(
+            f"{output_dir} takes no file locks ({exc.strerror}): nothing keeps a second "
+            "so2serve screen out of it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return lock
+
+
+_NO_FLOCK = frozenset((errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL))
+"""flock's errors on file systems that take no locks."""
+
+
+def _same_model(a: ModelIdentity, b: ModelIdentity) -> bool:
+    """By content hash where both have one (a name is the file's stem: a copy staged under
+    another name is the same model); by name for models without a hash (in memory)."""
+    if a["sha256"] and b["sha256"]:
+        return a["sha256"] == b["sha256"]
+    return a["name"] == b["name"] and a["sha256"] == b["sha256"]
 
 
 def _model_label(model: ModelIdentity) -> str:

@@ -484,7 +484,7 @@ class Engine:
         if not self.running:
             raise EngineClosedError("the model is not loaded yet, or the server is stopping")
         if not self._working_lanes():
-            raise self.faults[0]
+            raise self.faults[0].again()
         atom_ptr = _host(structures.ptr)
         atom_counts = atom_ptr[1:] - atom_ptr[:-1]
         self._check_sizes(atom_counts)
@@ -868,8 +868,8 @@ class Engine:
         )
 
     def _record_batch(self, batch: _Batch, delivered_structures: int, delivered_atoms: int) -> None:
-        """The pass's shape, and the structures and atoms it delivered results for (a failed
-        structure's request gets none: it is no throughput)."""
+        """The pass's shape, and the structures and atoms of the requests it answered with
+        results (a failed request gets none: it is no throughput)."""
         m, limits = self._metrics, self._limits
         m.batch_requests.observe(len(batch.jobs))
         m.batch_structures.observe(batch.n_structures)
@@ -908,11 +908,13 @@ class Engine:
                 queue_waits.append(started - job.admitted_at)
                 continue
             job.parts.append((chunk.start, chunk.results(output)))
-            delivered[0] += chunk.stop - chunk.start
-            delivered[1] += chunk.n_atoms
             if job.cursor == job.n_structures and job.in_flight == 0:
                 job.delivered_at = time.perf_counter()
                 job.future.set_result(self._assemble(job))
+                # The whole request, when it is answered: a request split over passes may
+                # still fail in a later one.
+                delivered[0] += job.n_structures
+                delivered[1] += int(job.atom_ptr[-1])
                 queue_waits.append(started - job.admitted_at)
         # After the handlers this has woken, which answer their clients first.
         self._require_loop().call_soon(
@@ -946,15 +948,16 @@ class Engine:
         """A pass failed as a whole (per-structure failures are isolated before this): no
         structure is named, so a client does not blame one and resend the rest. A broken
         device takes no more passes; once none works, what is queued fails with it too."""
-        reason = exc if isinstance(exc, DeviceFaultError) else None
+        fault = exc if isinstance(exc, DeviceFaultError) else None
         for chunk in batch.chunks:
             chunk.job.in_flight -= 1
             if not chunk.job.future.done():
-                self._abandon(chunk.job, reason or EvaluationFailedError(index=None, cause=exc))
-        if reason is not None and not self._working_lanes():
+                reason = fault.again() if fault else EvaluationFailedError(index=None, cause=exc)
+                self._abandon(chunk.job, reason)
+        if fault is not None and not self._working_lanes():
             for job in list(self._queue):
                 if not job.future.done():
-                    self._abandon(job, reason)
+                    self._abandon(job, fault.again())
 
     def _abandon(self, job: _Job, reason: BaseException) -> None:
         """Fail a request as a whole (no partial results) and drop what is still queued."""

@@ -76,12 +76,18 @@ class DeviceFaultError(EngineError):
 
     code = "device_error"
 
-    def __init__(self, *, device: str, cause: BaseException) -> None:
+    def __init__(self, *, device: str, cause: str) -> None:
         super().__init__(
-            f"device {device} failed ({type(cause).__name__}: {cause}) and cannot run passes "
-            "until the server restarts; no structure is to blame"
+            f"device {device} failed ({cause}) and cannot run passes until the server "
+            "restarts; no structure is to blame"
         )
         self.device = device
+        self.cause = cause
+
+    def again(self) -> DeviceFaultError:
+        """A fresh copy to raise: raising one instance for every request would chain each
+        request's frames (its body and structures included) onto its traceback for good."""
+        return DeviceFaultError(device=self.device, cause=self.cause)
 
 
 class EngineClosedError(EngineError):

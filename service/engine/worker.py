@@ -327,10 +327,11 @@ class Worker:
             if not oom and not self._device_responds():
                 # Bisecting would run a pass per structure, each failing the same way, and
                 # blame every structure in turn (a client resends the rest after each).
-                self.fault = DeviceFaultError(device=str(self.device), cause=exc)
+                cause = f"{type(exc).__name__}: {exc}"
+                self.fault = DeviceFaultError(device=str(self.device), cause=cause)
                 self._metrics.device_faults.labels(str(self.device)).inc()
                 log.error("device %s stopped working", self.device, exc_info=exc)
-                raise self.fault from None
+                raise self.fault.again() from None
         if oom:
             self._release_cached_memory()
         own = properties if asked is None or refused else asked.of(first_index)

@@ -153,3 +153,50 @@ def test_a_broken_device_aborts_an_in_process_run_resumably(
     with pytest.raises(ScreenAborted, match=r"device cpu failed.*resume"):
         screen([source], ScreenOptions(output_dir=out, progress=False), evaluator=IllegalAddress())
     assert (out / JOURNAL_FILE).read_text() == ""
+
+
+def test_a_folder_on_a_file_system_without_locks_is_screened_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lustre mounted noflock or NFSv3 without lockd answer ENOLCK/ENOSYS: the run never began.
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    source = _waters(tmp_path / "in.extxyz", 2)
+    with pytest.warns(RuntimeWarning, match="takes no file locks"):
+        report = screen(
+            [source], ScreenOptions(output_dir=tmp_path / "out", progress=False),
+            evaluator=PairPotential(),
+        )  # fmt: skip
+    assert report.succeeded == 2
+
+
+def test_a_refused_folder_is_not_left_locked(tmp_path: Path) -> None:
+    # The exception may outlive the call (a notebook keeps the last one): the folder stayed
+    # locked behind it after the user had moved the foreign file away.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.extxyz").write_text("someone else's frames\n")
+    with pytest.raises(ScreenAborted, match="not written by so2serve screen") as refused:
+        _ResultStore(out)
+    (out / "results.extxyz").rename(tmp_path / "moved.extxyz")
+    _ResultStore(out).close()
+    del refused
+
+
+class _SameModelRenamed(PairPotential):
+    def info(self) -> dict[str, Any]:  # the same file staged under another name
+        return {**super().info(), "name": "pair-test-copy"}
+
+
+def test_a_resume_with_the_same_model_under_another_name_goes_on(tmp_path: Path) -> None:
+    source = _waters(tmp_path / "in.extxyz", 2)
+    more = _waters(tmp_path / "more.extxyz", 2)
+    options = ScreenOptions(output_dir=tmp_path / "out", progress=False)
+    screen([source], options, evaluator=PairPotential())
+    report = screen([source, more], options, evaluator=_SameModelRenamed())
+    assert (report.succeeded, report.skipped) == (2, 2)

@@ -137,3 +137,49 @@ def test_a_request_cancelled_while_the_loop_was_busy_is_not_computed() -> None:
     (metrics,) = run_engine(pot, scenario)
     assert pot.calls == [(1, 3)]
     assert metrics.registry.get_sample_value("so2serve_cancelled_requests_total") == 1
+
+
+def test_refusals_after_a_fault_pin_no_request(broken_device: None) -> None:
+    # One fault instance raised for every refused request chained each request's frames (its
+    # body and structures) onto its traceback, which the worker kept for good.
+    pot = IllegalAddress()
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> list[Any]:
+        await asyncio.gather(engine.evaluate(structures_of(small_molecule()), {"energy"}),
+                             return_exceptions=True)  # fmt: skip
+        refused = []
+        for _ in range(3):
+            try:
+                engine.submit(structures_of(small_molecule("CH4")), {"energy"})
+            except DeviceFaultError as exc:
+                refused.append(exc)
+        return [refused, engine.faults]
+
+    refused, faults = run_engine(pot, scenario)
+    assert len({id(exc) for exc in refused}) == 3
+    assert faults[0].__traceback__ is None
+    assert all(exc.message == faults[0].message for exc in refused)
+
+
+def test_a_request_failing_in_its_second_pass_counts_as_no_throughput() -> None:
+    class FailsOnMethane(PairPotential):
+        def predict(self, structures: Structures, properties: Collection[str]) -> FakePrediction:
+            if structures.n_atoms == 5:
+                raise RuntimeError("a structure's own failure")
+            return super().predict(structures, properties)
+
+    pot = FailsOnMethane()
+    waters = (small_molecule("H2O", seed=k) for k in range(3))
+    request = structures_of(*waters, small_molecule("CH4"))  # split: 9 atoms a pass
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> list[Any]:
+        outcome = await asyncio.gather(engine.evaluate(request, {"energy"}), return_exceptions=True)
+        await asyncio.sleep(0.1)  # the pass records run a loop turn after the answers
+        return [*outcome, metrics.registry]
+
+    failed, registry = run_engine(pot, scenario, max_batch_atoms=9)
+    assert getattr(failed, "code", None) == "evaluation_failed"
+    assert registry.get_sample_value("so2serve_structures_total") == 0
+    assert registry.get_sample_value("so2serve_atom_steps_total") == 0
+    failures = {"code": "evaluation_failed"}
+    assert registry.get_sample_value("so2serve_evaluation_failures_total", failures) == 4
