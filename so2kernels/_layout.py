@@ -38,6 +38,10 @@ NodeOffsets = Tensor  # (N+1,) int64 CSR row pointers
 EdgeWigner = Tensor  # (E, >=D, >=D) Wigner-D per edge (the leading D x D block is read)
 RadialKernel = Tensor  # (E, L+1, C_wide) at rank 0, else (E, K·R)
 ChannelBasis = Tensor  # (R, C_wide)
+# and of their integer attributes
+MaxDegree = int  # lmax: the highest degree l of the features
+FocusCount = int  # F: focus streams (the competition's channel groups)
+KernelRank = int  # R: rank of the radial kernel's channel factorisation (0: one per degree)
 
 SUPPORTED_LMAX = range(1, 7)
 SUPPORTED_FOCUS_DIMS = (32, 64, 96, 128)

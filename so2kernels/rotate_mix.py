@@ -64,16 +64,16 @@ from so2kernels.tiles import LaunchTiles, rotate_mix_tiles
 class RotateMixOperands(NamedTuple):
     """The operands of ``so2_rotate_mix`` bundled in schema order (see the module docstring)."""
 
-    x: Tensor
-    src: Tensor
-    src_order: Tensor
-    src_rowptr: Tensor
-    wigner: Tensor
-    kc: Tensor
-    cb: Tensor
-    lmax: int
-    n_focus: int
-    rank: int
+    x: NodeFeatures
+    src: EdgeNodes
+    src_order: EdgeNodes
+    src_rowptr: NodeOffsets
+    wigner: EdgeWigner
+    kc: RadialKernel
+    cb: ChannelBasis
+    lmax: MaxDegree
+    n_focus: FocusCount
+    rank: KernelRank
 
 
 # Input checks (shapes only: no device synchronisation)
@@ -148,11 +148,11 @@ def placed_basis(cb: Tensor, x: Tensor, rank: int) -> Tensor:
 
 
 def check_fused_regime(
-    x: Tensor, wigner: Tensor, kernel: Tensor, basis: Tensor, lmax: int, n_focus: int, rank: int
+    x: Tensor, wigner: Tensor, kernel: Tensor, basis: Tensor, shape: tuple[int, int, int]
 ) -> None:
-    """What the Triton path covers: fp32, lmax 1..6, Cf in {32, 64, 96, 128}.
-
-    ``kernel``/``basis`` are the op's ``kc``/``cb`` (named so in the errors)."""
+    """What the Triton path covers: fp32, lmax 1..6, Cf in {32, 64, 96, 128}. ``shape`` is
+    (lmax, n_focus, rank); ``kernel``/``basis`` are the op's ``kc``/``cb`` (so in the errors)."""
+    lmax, n_focus, rank = shape
     name = "so2_rotate_mix"
     check_regime(name, lmax, x.shape[2] // n_focus)
     require_fp32(name, x=x, wigner=wigner, kc=kernel)
@@ -467,7 +467,10 @@ from so2kernels._layout import (  # noqa: E402
     ChannelBasis,
     EdgeNodes,
     EdgeWigner,
+    FocusCount,
     FocusRows,
+    KernelRank,
+    MaxDegree,
     NodeFeatures,
     NodeOffsets,
     RadialKernel,
@@ -530,9 +533,9 @@ def _rotate_mix_op(
     wigner: EdgeWigner,
     kc: RadialKernel,
     cb: ChannelBasis,
-    lmax: int,
-    n_focus: int,
-    rank: int,
+    lmax: MaxDegree,
+    n_focus: FocusCount,
+    rank: KernelRank,
 ) -> FocusRows:
     ops = RotateMixOperands(
         x=x, src=src, src_order=src_order, src_rowptr=src_rowptr, wigner=wigner,
@@ -540,7 +543,7 @@ def _rotate_mix_op(
     )  # fmt: skip
     _validate_operands(ops)
     if use_triton(x, src, wigner, kc, ops.cb):
-        check_fused_regime(x, wigner, kc, ops.cb, lmax, n_focus, rank)
+        check_fused_regime(x, wigner, kc, ops.cb, (lmax, n_focus, rank))
         tiles = rotate_mix_tiles("fwd", x.shape[2], lmax, rank, x.device)
         with launch_device(x):
             return launch_rotate_mix_fwd(
@@ -565,9 +568,9 @@ def rotate_mix(
     wigner: EdgeWigner,
     kc: RadialKernel,
     cb: ChannelBasis,
-    lmax: int,
-    n_focus: int,
-    rank: int,
+    lmax: MaxDegree,
+    n_focus: FocusCount,
+    rank: KernelRank,
 ) -> FocusRows:
     """``torch.ops.so2kernels.so2_rotate_mix``: (F, E, ROW); see the module docstring.
 
@@ -576,8 +579,9 @@ def rotate_mix(
         UnsupportedInputError: the fused path got a non-float32 operand.
     """
     out: FocusRows = torch.ops.so2kernels.so2_rotate_mix(
-        x, src, src_order, src_rowptr, wigner, kc, cb, lmax, n_focus, rank
-    )
+        x, src, src_order, src_rowptr, wigner=wigner, kc=kc, cb=cb,
+        lmax=lmax, n_focus=n_focus, rank=rank,
+    )  # fmt: skip
     return out
 
 

@@ -631,7 +631,7 @@ def _rotate_mix_bwd_op(
     _validate_bwd(grad_u, x, graph, floats, shape)
     if not use_triton(grad_u, x, *graph, *floats):
         return rotate_mix_backward_reference(grad_u, x, *graph, *floats, *shape, want_cb=want_cb)
-    check_fused_regime(x, *floats, *shape)
+    check_fused_regime(x, *floats, shape)
     require_fp32("so2_rotate_mix_bwd", grad_u=grad_u)
     tiles = rotate_mix_tiles("bwd", x.shape[2], lmax, rank, x.device)
     with launch_device(x):
