@@ -41,6 +41,7 @@ ChannelBasis = Tensor  # (R, C_wide)
 # and of their integer attributes
 MaxDegree = int  # lmax: the highest degree l of the features
 FocusCount = int  # F: focus streams (the competition's channel groups)
+FocusWidth = int  # Cf: channels of one focus stream
 KernelRank = int  # R: rank of the radial kernel's channel factorisation (0: one per degree)
 
 SUPPORTED_LMAX = range(1, 7)
