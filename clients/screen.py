@@ -48,7 +48,7 @@ import ssl
 import sys
 import time
 import warnings
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
@@ -143,6 +143,12 @@ class ScreenAborted(RuntimeError):
 
 ModelIdentity = dict[str, str]
 """``name``, ``sha256`` and ``precision`` of the model that answered (journalled per entry)."""
+
+
+def _model_identity(model: Mapping[str, Any], precision: str) -> ModelIdentity:
+    """A model's identity from its ``name`` and ``sha256`` (an answer's provenance, an
+    evaluator's info), and the precision it ran at."""
+    return {"name": str(model["name"]), "sha256": str(model["sha256"]), "precision": precision}
 
 
 @dataclass(frozen=True)
@@ -247,11 +253,7 @@ class _HttpBackend:
                     "structure(s): not an so2serve answer"
                 )
             provenance = document["provenance"]
-            model = {
-                "name": str(provenance["model"]["name"]),
-                "sha256": str(provenance["model"]["sha256"]),
-                "precision": str(provenance["execution"]["precision"]),
-            }
+            model = _model_identity(provenance["model"], str(provenance["execution"]["precision"]))
         except UNDECODABLE as exc:
             error = bad_response(
                 str(self._options.url), response.status_code, response.content, exc
@@ -327,13 +329,8 @@ class _EngineBackend:
     def __init__(self, evaluators: Sequence[Evaluator]) -> None:
         self._evaluators = list(evaluators)
         self._engine: Engine | None = None
-        info = self._evaluators[0].info()
-        execution = info.get("execution") or {}
-        self._model = {
-            "name": str(info.get("name", "")),
-            "sha256": str(info.get("sha256", "")),
-            "precision": str(execution.get("precision", "")),
-        }
+        first = self._evaluators[0]
+        self._model = _model_identity(first.info(), first.execution.precision)
 
     async def evaluate(self, atoms: list[Atoms]) -> tuple[list[dict[str, Any]], ModelIdentity]:
         from service.engine.errors import DeviceFaultError, EngineError

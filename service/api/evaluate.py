@@ -155,10 +155,7 @@ class EvaluateEndpoint:
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > PARSE_IN_THREAD_BYTES:
             _refuse_unread_if_full(engine)
-        body = await _read_body(
-            receive, headers.get("content-length"), settings.max_body_bytes,
-            settings.body_timeout_s,
-        )  # fmt: skip
+        body = await _read_body(receive, declared, settings.max_body_bytes, settings.body_timeout_s)
         if body is None:
             return None
         read = time.perf_counter()
@@ -301,10 +298,8 @@ def _refuse_unread_if_full(engine: Engine) -> None:
     except QueueFullError as exc:
         error = as_api_error(exc)
         assert error is not None
-        headers = {**(error.headers or {}), **_CLOSE}
-        raise ApiError(
-            error.status, error.code, error.message, detail=error.detail, headers=headers
-        ) from None
+        error.headers.update(_CLOSE)
+        raise error from None
 
 
 def _body_too_large(size: int, limit: int) -> ApiError:

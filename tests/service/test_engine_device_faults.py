@@ -46,6 +46,16 @@ class IllegalAddress(PairPotential):
         raise CUDA_ERROR("CUDA error: an illegal memory access was encountered")
 
 
+class FailsOnMethane(PairPotential):
+    """Fails on a 5-atom structure (methane) alone, with a CUDA-looking message: whether the
+    device is broken is the probe's answer, not the message's."""
+
+    def predict(self, structures: Structures, properties: Collection[str]) -> FakePrediction:
+        if structures.n_atoms == 5:
+            raise RuntimeError("CUDA error: invalid configuration argument")
+        return super().predict(structures, properties)
+
+
 @pytest.fixture
 def broken_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device probe after a failed pass fails too, as on a GPU whose context is gone."""
@@ -80,12 +90,6 @@ def test_a_broken_device_fails_the_pass_without_bisecting_or_blaming(
 
 
 def test_a_structures_own_failure_still_fails_alone_on_a_working_device() -> None:
-    class FailsOnMethane(PairPotential):
-        def predict(self, structures: Structures, properties: Collection[str]) -> FakePrediction:
-            if structures.n_atoms == 5:
-                raise RuntimeError("CUDA error: invalid configuration argument")
-            return super().predict(structures, properties)
-
     pot = FailsOnMethane()
     methane = structures_of(small_molecule("CH4"))  # 5 atoms
 
@@ -162,12 +166,6 @@ def test_refusals_after_a_fault_pin_no_request(broken_device: None) -> None:
 
 
 def test_a_request_failing_in_its_second_pass_counts_as_no_throughput() -> None:
-    class FailsOnMethane(PairPotential):
-        def predict(self, structures: Structures, properties: Collection[str]) -> FakePrediction:
-            if structures.n_atoms == 5:
-                raise RuntimeError("a structure's own failure")
-            return super().predict(structures, properties)
-
     pot = FailsOnMethane()
     waters = (small_molecule("H2O", seed=k) for k in range(3))
     request = structures_of(*waters, small_molecule("CH4"))  # split: 9 atoms a pass
