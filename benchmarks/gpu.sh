@@ -130,6 +130,9 @@ json.dump({"meta": {}, "configs": k._load_table(torch.cuda.get_device_name())}, 
   tests-rest)  # every other gpu test (graph, model, service, clients, training)
     STEP_S=${TESTS_S:-280} run python3 -m pytest -q -m gpu tests/graph tests/model tests/service tests/clients tests/training
     ;;
+  cpu-step)  # the shipped model's CPU step on the GPU host's cores: time and peak memory per edge-chunk size, and the host-memory estimate against the peak (~5 min)
+    STEP_S=${CPU_S:-540} run python3 benchmarks/cpu_step.py "$@"
+    ;;
   cold-start)  # a fresh server process: imports, model load, warm-up, first requests; --scenarios record ... records the kernel sets
     STEP_S=${COLD_S:-500} run python3 benchmarks/cold_start.py "$@"
     ;;

@@ -71,11 +71,18 @@ def select_structures(structures: Structures, start: int, stop: int) -> Structur
     )
 
 
+_ALLOCATION_FAILURES = ("out of memory", "can't allocate memory", "not enough memory")
+"""How allocators word a failure: CUDA's and libraries' "out of memory"; PyTorch's CPU allocator
+"can't allocate memory" (torch 2.13) or "not enough memory"."""
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Device allocation failures (torch's typed error, or a library's message saying so)."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    """Allocation failures: torch's typed error, Python's ``MemoryError`` (the potential's host
+    memory check among them) or an allocator's message saying so."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    message = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(text in message for text in _ALLOCATION_FAILURES)
 
 
 def to_host(tensors: Mapping[str, Tensor | None]) -> dict[str, np.ndarray | None]:

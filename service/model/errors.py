@@ -19,6 +19,12 @@ class UnsupportedCheckpointError(ValueError):
     """A DeePMD checkpoint uses an option outside our supported subset; the message names it."""
 
 
+class HostMemoryError(MemoryError):
+    """A CPU step would need more memory than the host (or its container) has available: refused
+    before it allocates, since past that point Linux's out-of-memory killer ends the process
+    instead of failing the allocation."""
+
+
 class NonFiniteResultError(RuntimeError):
     """The model returned NaN or inf (broken weights, or a structure far outside anything it
     was trained on); never passed on as a result."""

@@ -52,7 +52,8 @@ from service.graph.structures import Structures
 from service.model.captured import CapturedSteps, ReplayBatch, StepInputs, StepOutputs
 from service.model.config import ModelConfig
 from service.model.dpa4 import DPA4Model
-from service.model.errors import ModelFileError
+from service.model.errors import HostMemoryError, ModelFileError
+from service.model.host_memory import host_available_bytes
 from so2kernels._dispatch import INTERPRET, triton_available
 from so2kernels.mixing_stack import StackPrecision
 
@@ -72,13 +73,29 @@ STACK_TIERS = {
 MEMORY_MODES = ("auto", "fast", "lean")
 """Per-edge activation policy of the SO(2) convolutions (see :func:`edge_chunk_for`):
 ``fast`` keeps every activation for the backward; ``lean`` runs the per-edge pipeline in
-destination-node chunks of ``DEFAULT_EDGE_CHUNK`` edges and recomputes each chunk in the backward
-(bounded memory, one extra value-path forward); ``auto`` is ``fast`` while the estimated
-activations fit in half of the free device memory, ``lean`` beyond."""
+destination-node chunks (``DEFAULT_EDGE_CHUNK`` edges on CUDA, ``CPU_EDGE_CHUNK`` on the CPU) and
+recomputes each chunk in the backward (bounded memory, one extra value-path forward); ``auto`` is
+``lean`` on the CPU, and on CUDA ``fast`` while the estimated activations fit in half of the free
+device memory, ``lean`` beyond."""
 DEFAULT_EDGE_CHUNK = 131_072
-"""Edges per chunk in ``lean`` mode: big enough that every kernel launch fills an H200, small
-enough that one chunk's activations stay around a couple of GB at C_wide = 128."""
+"""Edges per chunk in ``lean`` mode on CUDA: big enough that every kernel launch fills an H200,
+small enough that one chunk's activations stay around a couple of GB at C_wide = 128."""
+CPU_EDGE_CHUNK = 4096
+"""Edges per chunk on the CPU, where small chunks are faster as well as lighter: a chunk's
+intermediates stay in the caches. Shipped model, forces and stress, water, 2026-12-03
+(``benchmarks/cpu_step.py``): on the H200 host's 16 cores 192 / 768 / 1,536 atoms take 0.60 /
+2.31 / 4.50 s and 0.60 / 1.20 / 2.20 GiB, against 0.80 / 4.18 / 6.97 s and 1.7 / 6.7 / 13.4 GiB
+unchunked (1,024–8,192 edges all within ~30 % of the best); on 2 cores 768 atoms take 9.1 s
+against 28.0 s."""
 AUTO_MEMORY_FRACTION = 0.5
+HOST_RESIDENT_PER_EDGE = 0.6
+HOST_CHUNK_PER_EDGE = 5.0
+"""A CPU step's memory in units of :func:`value_path_bytes_per_edge` × blocks: what stays for
+the whole step per edge (edge cache, embedding outputs, gradients), and what one chunk's (or an
+unchunked step's) edges take on top while it runs. Fitted with margin to the peak resident
+memory of the reference path, forces and stress (2026-12-03): 0.51–0.53 resident per edge for
+the shipped and the ``medium`` model at chunks of 2048 edges; 3.7 per edge unchunked, and the
+chunk's share 3.6–4.3."""
 
 
 @dataclass
@@ -205,14 +222,35 @@ def edge_chunk_for(
     """
     if mode not in MEMORY_MODES:
         raise ValueError(f"memory must be one of {MEMORY_MODES}, got {mode!r}")
-    if create_graph or mode == "fast" or n_edges <= DEFAULT_EDGE_CHUNK:
+    if create_graph or mode == "fast":
         return None
-    if mode == "lean":
-        return DEFAULT_EDGE_CHUNK
-    if device.type != "cuda":
+    chunk = DEFAULT_EDGE_CHUNK if device.type == "cuda" else CPU_EDGE_CHUNK
+    if n_edges <= chunk:
         return None
+    if mode == "lean" or device.type != "cuda":
+        return chunk
     needed = n_edges * config.n_blocks * value_path_bytes_per_edge(config)
-    return DEFAULT_EDGE_CHUNK if needed > AUTO_MEMORY_FRACTION * available_memory(device) else None
+    return chunk if needed > AUTO_MEMORY_FRACTION * available_memory(device) else None
+
+
+def host_step_bytes(config: ModelConfig, n_edges: int, edge_chunk: int | None) -> int:
+    """Estimated peak host memory of one CPU step over ``n_edges`` edges."""
+    per_edge = config.n_blocks * value_path_bytes_per_edge(config)
+    working = n_edges if edge_chunk is None else min(edge_chunk, n_edges)
+    return int(per_edge * (HOST_RESIDENT_PER_EDGE * n_edges + HOST_CHUNK_PER_EDGE * working))
+
+
+def check_host_memory(config: ModelConfig, n_edges: int, edge_chunk: int | None) -> None:
+    """``HostMemoryError`` when a CPU step's estimate exceeds what the host (or the process's
+    container) has available; nothing where that cannot be read."""
+    available = host_available_bytes()
+    needed = host_step_bytes(config, n_edges, edge_chunk)
+    if available is not None and needed > available:
+        raise HostMemoryError(
+            f"evaluating {n_edges:,} edges on the CPU needs about {needed / 2**30:.1f} GiB of "
+            f"memory, and {available / 2**30:.1f} GiB are available; split the system, or use a "
+            "GPU"
+        )
 
 
 def available_memory(device: torch.device) -> int:
@@ -398,6 +436,8 @@ class Potential:
             edge_chunk = edge_chunk_for(
                 self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph
             )
+            if self.device.type == "cpu":  # a device reports out of memory; Linux may kill
+                check_host_memory(cfg, graph.n_edges, edge_chunk)
             if replay is not None and self._captured is not None:
                 n_edges = graph.n_edges
                 if edge_chunk is None:

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from service.cli_output import cli_fail
-from service.model.errors import ModelFileError
+from service.model.errors import HostMemoryError, ModelFileError
 from service.training.config import (
     CHECKPOINT_NAME,
     ConfigError,
@@ -83,6 +83,13 @@ def train_command(
             f"{_resumable(run_config)}"
         )
         raise cli_fail(_with_detail(advice, exc)) from exc
+    except HostMemoryError as exc:
+        data = run_config.data
+        advice = (
+            f"{exc}; or lower data.batch_size (now {data.batch_size}) or data.valid_batch_size "
+            f"(now {data.valid_batch_size}), then resume; {_resumable(run_config)}"
+        )
+        raise cli_fail(advice) from exc
     except TritonError as exc:
         advice = "the fused path's Triton kernels failed: --set run.path=reference avoids them"
         raise cli_fail(_with_detail(f"{advice}; {_resumable(run_config)}", exc)) from exc
@@ -178,6 +185,8 @@ def eval_command(
     except torch.OutOfMemoryError as exc:
         advice = f"out of GPU memory: lower --batch-size (now {batch_size})"
         raise cli_fail(_with_detail(advice, exc)) from exc
+    except HostMemoryError as exc:
+        raise cli_fail(f"{exc}; or lower --batch-size (now {batch_size})") from exc
     except TritonError as exc:
         advice = "the fused path's Triton kernels failed: --path reference avoids them"
         raise cli_fail(_with_detail(advice, exc)) from exc

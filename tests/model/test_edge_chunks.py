@@ -50,7 +50,7 @@ def _compare(
     model = randomized_model(cfg, seed=2)
     structures = Structures.from_atoms([_water_like(n_molecules, seed=5)])
     props = ("energy", "forces", "stress")
-    monkeypatch.setattr(potential_module, "DEFAULT_EDGE_CHUNK", chunk)
+    monkeypatch.setattr(potential_module, "CPU_EDGE_CHUNK", chunk)
     results = {}
     for memory in ("fast", "lean"):
         pot = Potential(copy.deepcopy(model), device="cpu", path=path, memory=memory)
@@ -73,12 +73,15 @@ def test_lean_matches_fast_fused(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_edge_chunk_policy() -> None:
     cfg = preset("tiny", ["O", "H"], channels=32)
     cpu = torch.device("cpu")
-    big = potential_module.DEFAULT_EDGE_CHUNK + 1
+    chunk = potential_module.CPU_EDGE_CHUNK
+    big = chunk + 1
     assert edge_chunk_for("fast", cfg, big, cpu, create_graph=False) is None
-    assert edge_chunk_for("lean", cfg, big, cpu, create_graph=False) == big - 1
+    assert edge_chunk_for("lean", cfg, big, cpu, create_graph=False) == chunk
     assert edge_chunk_for("lean", cfg, big, cpu, create_graph=True) is None
-    assert edge_chunk_for("lean", cfg, 10, cpu, create_graph=False) is None
-    assert edge_chunk_for("auto", cfg, big, cpu, create_graph=False) is None
+    assert edge_chunk_for("lean", cfg, chunk, cpu, create_graph=False) is None
+    # On the CPU small chunks are faster as well as lighter: auto always chunks there.
+    assert edge_chunk_for("auto", cfg, big, cpu, create_graph=False) == chunk
+    assert edge_chunk_for("auto", cfg, big, cpu, create_graph=True) is None
     with pytest.raises(ValueError, match="memory must be"):
         edge_chunk_for("tiny", cfg, big, cpu, create_graph=False)
 

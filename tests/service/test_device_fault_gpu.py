@@ -19,7 +19,7 @@ _SCENARIO = textwrap.dedent(
     from dataclasses import dataclass
     import torch
     from service.engine import BatchLimits, DeviceFaultError, Engine, ServiceMetrics, Worker
-    from tests.service.fakes import PairPotential, element_numbers, small_molecule
+    from tests.service.fakes import FakeExecution, PairPotential, element_numbers, small_molecule
     from service.graph.structures import Structures
 
     @dataclass
@@ -27,7 +27,7 @@ _SCENARIO = textwrap.dedent(
         sticky: bool = False
 
         def __post_init__(self):
-            self.execution.device = "cuda"
+            self.execution = FakeExecution(device="cuda")
 
         def predict(self, structures, properties):
             self.calls.append((structures.n_structures, structures.n_atoms))

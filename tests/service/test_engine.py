@@ -34,6 +34,7 @@ from service.engine.profiling import PassProfiler, ProfileRequest
 from service.engine.worker import DeviceThread
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import Structures
+from service.model.errors import HostMemoryError
 from tests.service.fakes import PairPotential, element_numbers, rattled_copper, small_molecule
 
 T = TypeVar("T")
@@ -445,6 +446,34 @@ def test_a_structure_that_never_fits_fails_alone_with_a_typed_error() -> None:
 
     result = run_engine(pot, scenario)
     assert_same(result, direct(PairPotential(), molecule_request))
+
+
+class HostBoundPairPotential(PairPotential):
+    """A CPU potential whose memory check refuses passes above ``limit_atoms``."""
+
+    def __init__(self, limit_atoms: int) -> None:
+        super().__init__()
+        self.limit_atoms = limit_atoms
+
+    def predict(self, structures: Structures, properties: Any) -> Any:
+        if structures.n_atoms > self.limit_atoms:
+            raise HostMemoryError(f"evaluating {structures.n_atoms} atoms needs too much")
+        return super().predict(structures, properties)
+
+
+def test_a_host_memory_refusal_is_bisected_like_a_device_out_of_memory() -> None:
+    pot = HostBoundPairPotential(limit_atoms=20)
+    request = structures_of(small_molecule("CH4"), rattled_copper(2), small_molecule("H2O"))
+
+    async def scenario(engine: Engine, metrics: ServiceMetrics) -> None:
+        with pytest.raises(StructureTooLargeError) as refused:
+            await engine.evaluate(request, PROPS)
+        assert (refused.value.index, refused.value.n_atoms) == (1, 32)
+        assert metric(metrics, "so2serve_oom_failures_total") == 1
+        alone = structures_of(small_molecule("H2O"))
+        assert_same(await engine.evaluate(alone, PROPS), direct(PairPotential(), alone))
+
+    run_engine(pot, scenario)
 
 
 class ExplodingOnMethane(PairPotential):

@@ -14,6 +14,7 @@ from triton.runtime.errors import OutOfResources
 from typer.testing import CliRunner
 
 from service.cli import app
+from service.model.errors import HostMemoryError
 from service.training.config import CHECKPOINT_NAME, TrainConfig
 from tests.training.synthetic import tiny_run_config_file, write_water_system
 
@@ -58,6 +59,7 @@ def test_train_interrupted_before_any_checkpoint_says_so(
 
 CUDA_OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
 DISK_FULL = OSError(errno.ENOSPC, "No space left on device", "run/checkpoint.pt.tmp")
+HOST_FULL = HostMemoryError("evaluating 9,000,000 edges on the CPU needs about 150.0 GiB")
 # Triton's errors derive from triton.errors.TritonError, not from RuntimeError or ValueError.
 NO_SHARED_MEMORY = OutOfResources(98304, 65536, "shared memory")
 
@@ -66,6 +68,7 @@ NO_SHARED_MEMORY = OutOfResources(98304, 65536, "shared memory")
     ("error", "fragments"),
     [
         (CUDA_OOM, ("out of GPU memory: lower data.batch_size (now 1)", "then resume")),
+        (HOST_FULL, ("150.0 GiB", "; or lower data.batch_size (now 1)", "then resume")),
         (DISK_FULL, ("No space left on device", "no checkpoint")),
         (NO_SHARED_MEMORY, ("run.path=reference", "OutOfResources", "shared memory")),
     ],
@@ -84,6 +87,7 @@ def test_train_stopped_by_the_machine_is_one_error_line(
     ("error", "fragments"),
     [
         (CUDA_OOM, ("out of GPU memory: lower --batch-size (now 8)",)),
+        (HOST_FULL, ("150.0 GiB", "; or lower --batch-size (now 8)")),
         (DISK_FULL, ("No space left on device",)),
         (NO_SHARED_MEMORY, ("--path reference", "shared memory")),
     ],
