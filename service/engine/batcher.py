@@ -321,7 +321,9 @@ class _Batch:
 def _relocated(reason: BaseException, index: int) -> BaseException:
     """The failure re-addressed to structure ``index`` of its request."""
     if isinstance(reason, StructureTooLargeError):
-        return StructureTooLargeError(index=index, n_atoms=reason.n_atoms, device=reason.device)
+        return StructureTooLargeError(
+            index=index, n_atoms=reason.n_atoms, device=reason.device, estimate=reason.estimate
+        )
     if isinstance(reason, InvalidStructureError):
         where = re.sub(r"^structures\[\d+\]", f"structures[{index}]", reason.field or "")
         # The model's own checks name the structure by its place in the batch.

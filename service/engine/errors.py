@@ -47,14 +47,20 @@ class StructureTooLargeError(EngineError):
 
     code = "out_of_memory"
 
-    def __init__(self, *, index: int, n_atoms: int, device: str) -> None:
+    def __init__(
+        self, *, index: int, n_atoms: int, device: str, estimate: str | None = None
+    ) -> None:
+        # ``estimate``: a CPU step's own account (needed and available memory), refused before
+        # it allocated; a device reports no such figures.
+        why = f" ({estimate})" if estimate else ""
         super().__init__(
             f"structures[{index}] ({n_atoms} atoms) does not fit in the memory of {device}, "
-            "even evaluated alone; split the system or use a device with more memory"
+            f"even evaluated alone{why}; split the system or use a device with more memory"
         )
         self.index = index
         self.n_atoms = n_atoms
         self.device = device
+        self.estimate = estimate
 
 
 class EvaluationFailedError(EngineError):

@@ -30,7 +30,7 @@ from service.engine.kernel_sets import preload_recorded_kernels
 from service.engine.metrics import ServiceMetrics
 from service.graph.errors import InvalidStructureError
 from service.graph.structures import StructureArrays, Structures
-from service.model.errors import NonFiniteResultError, non_finite_fields
+from service.model.errors import HostMemoryError, NonFiniteResultError, non_finite_fields
 
 log = logging.getLogger("so2serve.worker")
 
@@ -309,6 +309,7 @@ class Worker:
         """``s`` (structures ``first_index..`` of the batch) for ``properties``; ``asked``: the
         properties each structure of the batch was asked for (None: ``properties``)."""
         refused = False  # by the model, for the input itself: no other properties would help
+        estimate: str | None = None  # a CPU step's memory account, when that refused it
         try:
             return _Partial.from_prediction(self._evaluator.predict(s, properties))
         except InvalidStructureError as exc:
@@ -319,6 +320,8 @@ class Worker:
             reason: Exception | None = exc.with_traceback(None)  # a client's input: no log
         except Exception as exc:  # any failure is isolated per structure below
             oom = is_out_of_memory(exc)
+            if isinstance(exc, HostMemoryError):
+                estimate = str(exc)
             what = "out of memory" if oom else f"{type(exc).__name__}: {exc}"
             # The traceback once, where the failure is pinned to one structure; the bisection
             # levels above it log a line each.
@@ -348,8 +351,9 @@ class Worker:
             if reason is None:
                 self._metrics.oom_failures.inc()
                 reason = StructureTooLargeError(
-                    index=first_index, n_atoms=s.n_atoms, device=str(self.device)
-                )
+                    index=first_index, n_atoms=s.n_atoms, device=str(self.device),
+                    estimate=estimate,
+                )  # fmt: skip
             return _Partial.failed(s.n_atoms, first_index, reason)
         if oom:
             self._metrics.oom_splits.inc()

@@ -248,8 +248,7 @@ def check_host_memory(config: ModelConfig, n_edges: int, edge_chunk: int | None)
     if available is not None and needed > available:
         raise HostMemoryError(
             f"evaluating {n_edges:,} edges on the CPU needs about {needed / 2**30:.1f} GiB of "
-            f"memory, and {available / 2**30:.1f} GiB are available; split the system, or use a "
-            "GPU"
+            f"memory, and {available / 2**30:.1f} GiB are available"
         )
 
 

@@ -86,7 +86,7 @@ def train_command(
     except HostMemoryError as exc:
         data = run_config.data
         advice = (
-            f"{exc}; or lower data.batch_size (now {data.batch_size}) or data.valid_batch_size "
+            f"{exc}: lower data.batch_size (now {data.batch_size}) or data.valid_batch_size "
             f"(now {data.valid_batch_size}), then resume; {_resumable(run_config)}"
         )
         raise cli_fail(advice) from exc
@@ -186,7 +186,7 @@ def eval_command(
         advice = f"out of GPU memory: lower --batch-size (now {batch_size})"
         raise cli_fail(_with_detail(advice, exc)) from exc
     except HostMemoryError as exc:
-        raise cli_fail(f"{exc}; or lower --batch-size (now {batch_size})") from exc
+        raise cli_fail(f"{exc}: lower --batch-size (now {batch_size})") from exc
     except TritonError as exc:
         advice = "the fused path's Triton kernels failed: --path reference avoids them"
         raise cli_fail(_with_detail(advice, exc)) from exc

@@ -469,6 +469,7 @@ def test_a_host_memory_refusal_is_bisected_like_a_device_out_of_memory() -> None
         with pytest.raises(StructureTooLargeError) as refused:
             await engine.evaluate(request, PROPS)
         assert (refused.value.index, refused.value.n_atoms) == (1, 32)
+        assert "(evaluating 32 atoms needs too much)" in str(refused.value)  # its own figures
         assert metric(metrics, "so2serve_oom_failures_total") == 1
         alone = structures_of(small_molecule("H2O"))
         assert_same(await engine.evaluate(alone, PROPS), direct(PairPotential(), alone))

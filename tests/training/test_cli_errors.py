@@ -68,7 +68,7 @@ NO_SHARED_MEMORY = OutOfResources(98304, 65536, "shared memory")
     ("error", "fragments"),
     [
         (CUDA_OOM, ("out of GPU memory: lower data.batch_size (now 1)", "then resume")),
-        (HOST_FULL, ("150.0 GiB", "; or lower data.batch_size (now 1)", "then resume")),
+        (HOST_FULL, ("150.0 GiB", ": lower data.batch_size (now 1)", "then resume")),
         (DISK_FULL, ("No space left on device", "no checkpoint")),
         (NO_SHARED_MEMORY, ("run.path=reference", "OutOfResources", "shared memory")),
     ],
@@ -87,7 +87,7 @@ def test_train_stopped_by_the_machine_is_one_error_line(
     ("error", "fragments"),
     [
         (CUDA_OOM, ("out of GPU memory: lower --batch-size (now 8)",)),
-        (HOST_FULL, ("150.0 GiB", "; or lower --batch-size (now 8)")),
+        (HOST_FULL, ("150.0 GiB", ": lower --batch-size (now 8)")),
         (DISK_FULL, ("No space left on device",)),
         (NO_SHARED_MEMORY, ("--path reference", "shared memory")),
     ],
