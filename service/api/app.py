@@ -92,18 +92,26 @@ def load_evaluators(settings: ServiceSettings) -> list[Evaluator]:
     )
 
 
-def batch_limits(settings: ServiceSettings, device: str) -> BatchLimits:
-    """The engine's limits from the settings, for a model on ``device``."""
+def batch_limits(
+    settings: ServiceSettings, device: str, edge_capacity: int | None = None
+) -> BatchLimits:
+    """The engine's limits from the settings, for a model on ``device``; ``edge_capacity``: the
+    most edges a CPU pass holds in the host's memory (``Potential.pass_edge_capacity``)."""
     inline_max_atoms = settings.inline_max_atoms
+    max_batch_edges = settings.max_batch_edges
     if device == "cpu" and "inline_max_atoms" not in settings.model_fields_set:
         # A CPU pass of a few thousand atoms takes seconds; on the event loop it would hold up
         # every other connection (health checks, other clients' bodies) for that long, to save
         # a thread hop that costs a fraction of a millisecond. Set explicitly, it is obeyed.
         inline_max_atoms = 0
+    if edge_capacity is not None and "max_batch_edges" not in settings.model_fields_set:
+        # Batches sized to the host: a pass above it would be refused and bisected, each half
+        # building its graph again. Set explicitly, it is obeyed.
+        max_batch_edges = max(min(max_batch_edges, edge_capacity), 1)
     return BatchLimits(
         max_atoms=settings.max_atoms,
         max_batch_atoms=settings.max_batch_atoms,
-        max_batch_edges=settings.max_batch_edges,
+        max_batch_edges=max_batch_edges,
         window_s=settings.batch_window_ms * 1e-3,
         max_queue=settings.max_queue,
         inline_max_atoms=inline_max_atoms,
@@ -136,6 +144,17 @@ def refuses_coincident_atoms(evaluator: Evaluator) -> bool:
     return isinstance(evaluator, Potential)
 
 
+def pass_edge_capacity(evaluators: Sequence[Evaluator]) -> int | None:
+    """The least edge capacity the evaluators report (``Potential.pass_edge_capacity``: CPU
+    potentials only); None when none reports one (CUDA, test fakes)."""
+    reported = [
+        capacity
+        for capacity in (getattr(e, "pass_edge_capacity", lambda: None)() for e in evaluators)
+        if capacity is not None
+    ]
+    return min(reported) if reported else None
+
+
 async def _start(state: ServiceState, evaluators: Sequence[Evaluator] | None) -> None:
     started = time.perf_counter()
     if not evaluators:
@@ -146,7 +165,7 @@ async def _start(state: ServiceState, evaluators: Sequence[Evaluator] | None) ->
     execution = evaluator.execution
     engine = Engine(
         [Worker(e, state.metrics) for e in evaluators],
-        batch_limits(state.settings, execution.device),
+        batch_limits(state.settings, execution.device, pass_edge_capacity(evaluators)),
         state.metrics,
         rcut=float(info["rcut"]),
         elements=elements,

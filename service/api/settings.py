@@ -67,7 +67,10 @@ class ServiceSettings(BaseSettings):
     )
     max_batch_atoms: int = Field(default=16_384, gt=0, description="atom budget of one device pass")
     max_batch_edges: int = Field(
-        default=2_000_000, gt=0, description="estimated-edge budget of one device pass"
+        default=2_000_000,
+        gt=0,
+        description="estimated-edge budget of one device pass; unless set, a model on the CPU "
+        "takes at most what half the host's memory available at start holds",
     )
     batch_window_ms: float = Field(
         default=5.0,

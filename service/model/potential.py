@@ -240,6 +240,14 @@ def host_step_bytes(config: ModelConfig, n_edges: int, edge_chunk: int | None) -
     return int(per_edge * (HOST_RESIDENT_PER_EDGE * n_edges + HOST_CHUNK_PER_EDGE * working))
 
 
+def host_edge_capacity(config: ModelConfig, available: int) -> int:
+    """Most edges one chunked CPU step holds within ``available`` bytes, by
+    :func:`host_step_bytes` (0 when not even one chunk fits)."""
+    per_edge = config.n_blocks * value_path_bytes_per_edge(config)
+    room = available / per_edge - HOST_CHUNK_PER_EDGE * CPU_EDGE_CHUNK
+    return max(int(room / HOST_RESIDENT_PER_EDGE), 0)
+
+
 def check_host_memory(config: ModelConfig, n_edges: int, edge_chunk: int | None) -> None:
     """``HostMemoryError`` when a CPU step's estimate exceeds what the host (or the process's
     container) has available; nothing where that cannot be read."""
@@ -460,6 +468,15 @@ class Potential:
         if "stress" in properties:
             result.stress = stress_from_virial(out.virial, structures.cells, structures.pbc)
         return result
+
+    def pass_edge_capacity(self) -> int | None:
+        """Edges a step of this CPU potential holds in ``AUTO_MEMORY_FRACTION`` of the host's
+        memory available now (a CPU server's pass budget); None on CUDA, where a pass that
+        does not fit fails cleanly, and where the host's memory cannot be read."""
+        available = host_available_bytes() if self.device.type == "cpu" else None
+        if available is None:
+            return None
+        return host_edge_capacity(self.config, int(AUTO_MEMORY_FRACTION * available))
 
     def release_cached_memory(self) -> None:
         """Drop the recorded CUDA graphs and their memory pools (the engine calls this on

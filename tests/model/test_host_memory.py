@@ -16,7 +16,13 @@ from service.model import potential as potential_module
 from service.model.config import preset
 from service.model.errors import HostMemoryError
 from service.model.host_memory import host_available_bytes
-from service.model.potential import Potential, check_host_memory, host_step_bytes
+from service.model.potential import (
+    CPU_EDGE_CHUNK,
+    Potential,
+    check_host_memory,
+    host_edge_capacity,
+    host_step_bytes,
+)
 from tests.model.randomized import randomized_model
 
 GiB = 2**30
@@ -116,6 +122,25 @@ def test_check_refuses_only_above_the_available_figure(monkeypatch: pytest.Monke
         check_host_memory(cfg, 50_001, 2048)
     monkeypatch.setattr(potential_module, "host_available_bytes", lambda: None)
     check_host_memory(cfg, 10**9, None)  # no figure to compare with: no refusal
+
+
+def test_the_edge_capacity_inverts_the_estimate() -> None:
+    cfg = preset("small", ["H", "O"])
+    for available in (GiB, 20 * GiB):
+        capacity = host_edge_capacity(cfg, available)
+        assert capacity > CPU_EDGE_CHUNK
+        assert host_step_bytes(cfg, capacity, CPU_EDGE_CHUNK) <= available
+        assert host_step_bytes(cfg, capacity + 10, CPU_EDGE_CHUNK) > available
+    assert host_edge_capacity(cfg, 1024) == 0
+
+
+def test_a_cpu_potential_reports_its_pass_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = preset("tiny", ["O", "H"], channels=32, n_focus=2, focus_dim=32)
+    pot = Potential(randomized_model(cfg, seed=1), device="cpu", path="reference")
+    monkeypatch.setattr(potential_module, "host_available_bytes", lambda: 8 * GiB)
+    assert pot.pass_edge_capacity() == host_edge_capacity(cfg, 4 * GiB)
+    monkeypatch.setattr(potential_module, "host_available_bytes", lambda: None)
+    assert pot.pass_edge_capacity() is None
 
 
 def test_a_cpu_potential_refuses_a_step_the_host_cannot_hold(

@@ -440,6 +440,24 @@ def test_a_cpu_model_runs_every_pass_in_the_worker_unless_told_otherwise() -> No
         assert sample_value(c.get("/metrics").text, "so2serve_inline_passes_total") == 0
 
 
+class HostSizedPairPotential(PairPotential):
+    """A CPU potential whose passes hold 12,345 edges in the host's memory."""
+
+    def pass_edge_capacity(self) -> int:
+        return 12_345
+
+
+def test_a_cpu_models_pass_budget_follows_the_hosts_memory_unless_set() -> None:
+    for settings, budget in (({}, 12_345), ({"max_batch_edges": 50_000}, 50_000)):
+        with (
+            serve(HostSizedPairPotential(), **settings) as (url, _),
+            httpx.Client(base_url=url, timeout=30) as c,
+        ):
+            assert c.get("/info").json()["limits"]["max_batch_edges"] == budget
+    with serve() as (url, _), httpx.Client(base_url=url, timeout=30) as c:  # nothing reported
+        assert c.get("/info").json()["limits"]["max_batch_edges"] == 2_000_000
+
+
 @pytest.mark.parametrize("inline_max_atoms", [0, 2048])
 def test_a_lone_client_is_answered_from_the_event_loop_unless_turned_off(
     inline_max_atoms: int,
