@@ -95,7 +95,8 @@ the whole step per edge (edge cache, embedding outputs, gradients), and what one
 unchunked step's) edges take on top while it runs. Fitted with margin to the peak resident
 memory of the reference path, forces and stress (2026-12-03): 0.51–0.53 resident per edge for
 the shipped and the ``medium`` model at chunks of 2048 edges; 3.7 per edge unchunked, and the
-chunk's share 3.6–4.3."""
+chunk's share 3.6–4.3. Against ``benchmarks/cpu_step.py``'s peaks (shipped model, 17k–137k
+edges, chunks of 1,024–8,192 edges and unchunked) the estimate came out at 1.02–1.52×."""
 
 
 @dataclass
@@ -233,26 +234,32 @@ def edge_chunk_for(
     return chunk if needed > AUTO_MEMORY_FRACTION * available_memory(device) else None
 
 
-def host_step_bytes(config: ModelConfig, n_edges: int, edge_chunk: int | None) -> int:
+def host_step_bytes(
+    config: ModelConfig, n_edges: int, edge_chunk: int | None, dtype: torch.dtype = torch.float32
+) -> int:
     """Estimated peak host memory of one CPU step over ``n_edges`` edges."""
-    per_edge = config.n_blocks * value_path_bytes_per_edge(config)
+    per_edge = config.n_blocks * value_path_bytes_per_edge(config, dtype)
     working = n_edges if edge_chunk is None else min(edge_chunk, n_edges)
     return int(per_edge * (HOST_RESIDENT_PER_EDGE * n_edges + HOST_CHUNK_PER_EDGE * working))
 
 
-def host_edge_capacity(config: ModelConfig, available: int) -> int:
+def host_edge_capacity(
+    config: ModelConfig, available: int, dtype: torch.dtype = torch.float32
+) -> int:
     """Most edges one chunked CPU step holds within ``available`` bytes, by
     :func:`host_step_bytes` (0 when not even one chunk fits)."""
-    per_edge = config.n_blocks * value_path_bytes_per_edge(config)
+    per_edge = config.n_blocks * value_path_bytes_per_edge(config, dtype)
     room = available / per_edge - HOST_CHUNK_PER_EDGE * CPU_EDGE_CHUNK
     return max(int(room / HOST_RESIDENT_PER_EDGE), 0)
 
 
-def check_host_memory(config: ModelConfig, n_edges: int, edge_chunk: int | None) -> None:
+def check_host_memory(
+    config: ModelConfig, n_edges: int, edge_chunk: int | None, dtype: torch.dtype = torch.float32
+) -> None:
     """``HostMemoryError`` when a CPU step's estimate exceeds what the host (or the process's
     container) has available; nothing where that cannot be read."""
     available = host_available_bytes()
-    needed = host_step_bytes(config, n_edges, edge_chunk)
+    needed = host_step_bytes(config, n_edges, edge_chunk, dtype)
     if available is not None and needed > available:
         raise HostMemoryError(
             f"evaluating {n_edges:,} edges on the CPU needs about {needed / 2**30:.1f} GiB of "
@@ -444,7 +451,7 @@ class Potential:
                 self.execution.memory, cfg, graph.n_edges, self.device, create_graph=create_graph
             )
             if self.device.type == "cpu":  # a device reports out of memory; Linux may kill
-                check_host_memory(cfg, graph.n_edges, edge_chunk)
+                check_host_memory(cfg, graph.n_edges, edge_chunk, self.dtype)
             if replay is not None and self._captured is not None:
                 n_edges = graph.n_edges
                 if edge_chunk is None:
@@ -476,7 +483,7 @@ class Potential:
         available = host_available_bytes() if self.device.type == "cpu" else None
         if available is None:
             return None
-        return host_edge_capacity(self.config, int(AUTO_MEMORY_FRACTION * available))
+        return host_edge_capacity(self.config, int(AUTO_MEMORY_FRACTION * available), self.dtype)
 
     def release_cached_memory(self) -> None:
         """Drop the recorded CUDA graphs and their memory pools (the engine calls this on

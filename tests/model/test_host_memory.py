@@ -132,6 +132,9 @@ def test_the_edge_capacity_inverts_the_estimate() -> None:
         assert host_step_bytes(cfg, capacity, CPU_EDGE_CHUNK) <= available
         assert host_step_bytes(cfg, capacity + 10, CPU_EDGE_CHUNK) > available
     assert host_edge_capacity(cfg, 1024) == 0
+    # float64 steps (validation, finite differences) take twice the bytes
+    assert host_edge_capacity(cfg, 20 * GiB, torch.float64) == host_edge_capacity(cfg, 10 * GiB)
+    assert host_step_bytes(cfg, 10**5, None, torch.float64) == 2 * host_step_bytes(cfg, 10**5, None)
 
 
 def test_a_cpu_potential_reports_its_pass_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
