@@ -32,18 +32,14 @@ from benchmarks.common import write_results  # noqa: E402
 from benchmarks.model import water_box  # noqa: E402
 from service.graph.neighbors import place_and_build_graph_carrying  # noqa: E402
 from service.model import potential as potential_module  # noqa: E402
-from service.model.potential import Potential, _read_model_file, host_step_bytes  # noqa: E402
+from service.model.potential import host_step_bytes, load_potential  # noqa: E402
 
 
 def measure(n_atoms: int, chunk: int, repeats: int) -> dict[str, Any]:
     """One case in this process: its best step time and the step's peak resident memory."""
-    model, metadata = _read_model_file(None)
     if chunk:
         potential_module.CPU_EDGE_CHUNK = chunk
-    potential = Potential(
-        model, device="cpu", path="reference", memory="lean" if chunk else "fast",
-        metadata=metadata,
-    )  # fmt: skip
+    potential = load_potential(device="cpu", path="reference", memory="lean" if chunk else "fast")
     structures = water_box(n_atoms)
     _, graph, _ = place_and_build_graph_carrying(
         structures, potential.config.rcut, potential.device, []
@@ -87,7 +83,7 @@ def main() -> None:
             child = subprocess.run(
                 [sys.executable, __file__, "--case", str(n_atoms), str(chunk),
                  "--repeats", str(args.repeats)],
-                capture_output=True, text=True, check=False, env={**os.environ},
+                capture_output=True, text=True, check=False,
             )  # fmt: skip
             if child.returncode != 0:
                 rows.append({"atoms": n_atoms, "chunk": chunk or None,

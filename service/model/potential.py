@@ -90,7 +90,7 @@ against 28.0 s."""
 AUTO_MEMORY_FRACTION = 0.5
 HOST_RESIDENT_PER_EDGE = 0.6
 HOST_CHUNK_PER_EDGE = 5.0
-"""A CPU step's memory in units of :func:`value_path_bytes_per_edge` × blocks: what stays for
+"""A CPU step's memory in units of :func:`step_bytes_per_edge`: what stays for
 the whole step per edge (edge cache, embedding outputs, gradients), and what one chunk's (or an
 unchunked step's) edges take on top while it runs. Fitted with margin to the peak resident
 memory of the reference path, forces and stress (2026-12-03): 0.51–0.53 resident per edge for
@@ -213,6 +213,11 @@ def value_path_bytes_per_edge(config: ModelConfig, dtype: torch.dtype = torch.fl
     return (config.mixing_layers + 2) * row * itemsize
 
 
+def step_bytes_per_edge(config: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """:func:`value_path_bytes_per_edge` over all of the model's SO(2) convolutions."""
+    return config.n_blocks * value_path_bytes_per_edge(config, dtype)
+
+
 def edge_chunk_for(
     mode: str, config: ModelConfig, n_edges: int, device: torch.device, *, create_graph: bool
 ) -> int | None:
@@ -230,7 +235,7 @@ def edge_chunk_for(
         return None
     if mode == "lean" or device.type != "cuda":
         return chunk
-    needed = n_edges * config.n_blocks * value_path_bytes_per_edge(config)
+    needed = n_edges * step_bytes_per_edge(config)
     return chunk if needed > AUTO_MEMORY_FRACTION * available_memory(device) else None
 
 
@@ -238,7 +243,7 @@ def host_step_bytes(
     config: ModelConfig, n_edges: int, edge_chunk: int | None, dtype: torch.dtype = torch.float32
 ) -> int:
     """Estimated peak host memory of one CPU step over ``n_edges`` edges."""
-    per_edge = config.n_blocks * value_path_bytes_per_edge(config, dtype)
+    per_edge = step_bytes_per_edge(config, dtype)
     working = n_edges if edge_chunk is None else min(edge_chunk, n_edges)
     return int(per_edge * (HOST_RESIDENT_PER_EDGE * n_edges + HOST_CHUNK_PER_EDGE * working))
 
@@ -248,7 +253,7 @@ def host_edge_capacity(
 ) -> int:
     """Most edges one chunked CPU step holds within ``available`` bytes, by
     :func:`host_step_bytes` (0 when not even one chunk fits)."""
-    per_edge = config.n_blocks * value_path_bytes_per_edge(config, dtype)
+    per_edge = step_bytes_per_edge(config, dtype)
     room = available / per_edge - HOST_CHUNK_PER_EDGE * CPU_EDGE_CHUNK
     return max(int(room / HOST_RESIDENT_PER_EDGE), 0)
 
