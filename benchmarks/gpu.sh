@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|sweep-triton|sweep-triton-rest|triton-grid|overlay-ab|resweep-bar|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|sweep-triton|sweep-triton-rest|sweep-triton-exact|triton-grid|overlay-ab|resweep-bar|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks: benchmarks/gpu_wheels.sh).
 set -uo pipefail
@@ -83,6 +83,13 @@ case "$topic" in
   sweep-triton-rest)  # under the packed Triton: fp16x3 tiles of the grid shapes its overlay lacks (Cf 64 / lmax 3; ~2.5 min per shape) swept into it (~8.5 min)
     STEP_S=540 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --only fused_fast \
       --sweep --sweep-cases all --sweep-precisions fp16x3 --sweep-skip-tuned
+    ;;
+  sweep-triton-exact)  # under the packed Triton: the exact tier's tiles of every grid shape swept into its overlay (~1.3 min per shape), then the bar's both tiers on the tables in effect (~8 min; re-record the kernel sets after it: triton-sets)
+    STEP_S=390 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --sweep \
+      --sweep-cases all --sweep-precisions ieee --sweep-skip-tuned
+    sleep 15  # the sweep leaves the board at its power cap
+    STEP_S=100 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile \
+      --only fused_exact fused_fast
     ;;
   triton-grid)  # under the packed Triton, after sweep-triton-rest: the stack grid's fused tiers, then the image's Triton's fast tier beside it, the kernel sets re-recorded and their cover checked, the fast tier's realistic-size tests (~9 min)
     STEP_S=200 run python3 benchmarks/kernels_mixing_stack.py --cases all --no-compile --only fused_exact fused_fast
