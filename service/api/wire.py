@@ -82,6 +82,13 @@ def decode(body: bytes, fmt: WireFormat) -> Any:
     return document
 
 
+# msgpack raises these with no text of their own.
+_SILENT_MSGPACK_ERRORS: dict[type[Exception], str] = {
+    msgpack.StackError: "nested too deeply",
+    msgpack.FormatError: "a byte that starts no msgpack value (such as 0xc1, reserved)",
+}
+
+
 def _parse(body: bytes, fmt: WireFormat) -> Any:
     try:
         if fmt is WireFormat.JSON:
@@ -94,8 +101,7 @@ def _parse(body: bytes, fmt: WireFormat) -> Any:
         msgpack.FormatError,
         msgpack.StackError,
     ) as exc:
-        # msgpack's StackError says nothing by itself.
-        reason = "nested too deeply" if isinstance(exc, msgpack.StackError) else exc
+        reason = str(exc) or _SILENT_MSGPACK_ERRORS.get(type(exc), type(exc).__name__)
         raise ApiError(
             400, "malformed_body", f"the body is not valid {fmt.name.lower()}: {reason}"
         ) from exc

@@ -82,7 +82,12 @@ from service.engine.metrics import ServiceMetrics
 from service.engine.profiling import AfterPass, PassProfiler
 from service.engine.worker import BatchOutput, DeviceThread, Worker, select_structures
 from service.graph.errors import InvalidStructureError
-from service.graph.structures import MAX_ATOMIC_NUMBER, Structures
+from service.graph.structures import (
+    MAX_ATOMIC_NUMBER,
+    Structures,
+    occupied_volume,
+    open_box_volumes,
+)
 
 log = logging.getLogger("so2serve.engine")
 
@@ -173,12 +178,14 @@ def estimate_edges(
 ) -> np.ndarray:
     """(B,) expected directed neighbour pairs per structure, n·ρ·(4/3)πr³.
 
-    ρ is measured from the cell of fully periodic structures; otherwise ``REFERENCE_DENSITY``,
-    and a finite molecule cannot have more than n−1 neighbours per atom. This runs on the event
-    loop for every request, mostly of one structure, where two dozen numpy calls on one-row
-    arrays cost ~40 µs against ~5 µs in Python floats; a request of many structures is
-    estimated in numpy (a Python loop over 20,000 structures held the loop for 0.2 s).
-    ``atom_counts``, (B,): when the caller has them already.
+    ρ is measured from the cell of fully periodic structures. Elsewhere it is the density in
+    the structure's ``occupied_volume`` (its extent along open directions), but at least
+    ``REFERENCE_DENSITY``: a cluster or a slab packed tighter than a liquid is estimated at its
+    own density, not a liquid's; and a finite molecule cannot have more than n−1 neighbours
+    per atom. This runs on the event loop for every request, mostly of one structure, where
+    two dozen numpy calls on one-row arrays cost ~40 µs against ~5 µs in Python floats; a
+    request of many structures is estimated in numpy (a Python loop over 20,000 structures
+    held the loop for 0.2 s). ``atom_counts``, (B,): when the caller has them already.
     """
     if atom_counts is None:
         atom_counts = np.diff(_host(structures.ptr))
@@ -187,24 +194,35 @@ def estimate_edges(
     if len(atom_counts) > _SCALAR_ESTIMATE_MAX:
         counts = atom_counts.astype(np.float64)
         volumes = np.abs(np.einsum("bi,bi->b", cells[:, 0], np.cross(cells[:, 1], cells[:, 2])))
-        periodic = pbc.all(axis=1) & (volumes > 0)
-        density = np.full(len(counts), REFERENCE_DENSITY)
-        density[periodic] = counts[periodic] / volumes[periodic]
-        neighbours = density * sphere
+        periodic = pbc.all(axis=1)
         finite = ~pbc.any(axis=1)
+        positions, starts = _host(structures.positions), _host(structures.ptr)[:-1]
+        extent = np.maximum.reduceat(positions, starts) - np.minimum.reduceat(positions, starts)
+        volumes[finite] = open_box_volumes(extent[finite])
+        for row in np.flatnonzero(~periodic & ~finite):  # slabs and wires: few
+            atoms = slice(starts[row], starts[row] + atom_counts[row])
+            volumes[row] = occupied_volume(positions[atoms], cells[row], pbc[row])
+        density = counts / volumes
+        density[~periodic] = np.maximum(density[~periodic], REFERENCE_DENSITY)
+        neighbours = density * sphere
         neighbours[finite] = np.minimum(neighbours[finite], counts[finite] - 1.0)
         estimates: np.ndarray = counts * neighbours
         return estimates
     rows = []
-    for n, cell, periodic_axes in zip(
-        atom_counts.tolist(), cells.tolist(), pbc.tolist(), strict=True
+    first = 0
+    for b, (n, cell, periodic_axes) in enumerate(
+        zip(atom_counts.tolist(), cells.tolist(), pbc.tolist(), strict=True)
     ):
-        volume = _cell_volume(cell)
-        rho = n / volume if all(periodic_axes) and volume > 0 else REFERENCE_DENSITY
+        if all(periodic_axes):
+            rho = n / _cell_volume(cell)
+        else:
+            positions = _host(structures.positions[first : first + n])
+            rho = max(n / occupied_volume(positions, cells[b], pbc[b]), REFERENCE_DENSITY)
         around = rho * sphere
         if not any(periodic_axes):
             around = min(around, n - 1.0)
         rows.append(n * around)
+        first += n
     return np.array(rows, dtype=np.float64)
 
 

@@ -40,9 +40,15 @@ reduced basis of that lattice is used instead."""
 
 MAX_NUMBER_DENSITY = 10.0
 """Atoms per Å³: fifty times diamond's (0.18), the densest solid, so that even a relaxation or a
-compression run that squeezes a cell far past anything physical is still answered. A fully
-periodic cell denser than this is a unit mistake (a cell in nm around positions in Å is ~1000×
-too dense), whose neighbour count would be as many times too large."""
+compression run that squeezes a cell far past anything physical is still answered. A structure
+denser than this (in its ``occupied_volume``) is a unit mistake (a cell in nm around positions
+in Å is ~1000× too dense), whose neighbour count would be as many times too large."""
+
+OPEN_AXIS_ROOM = 1.0
+"""Å. Room an atom takes along a direction with no lattice vector: a structure's extent there
+plus this is its size for ``occupied_volume``. An H2 molecule at a 0.3 Å bond then measures 1.5
+atoms/Å³, far below ``MAX_NUMBER_DENSITY``, while a slab or a cluster whose positions were
+given in the wrong unit (or squeezed onto one another) still measures above it."""
 
 MAX_COORDINATE = 1.0e7
 """Å. Largest accepted |coordinate| of a position or a lattice vector. Far beyond any physical
@@ -134,8 +140,7 @@ class Structures:
             z = _validate_numbers(item.numbers, field, index)
             x = _validate_positions(item.positions, len(z), field, index)
             cell, pbc = _validate_cell_pbc(item.cell, item.pbc, field, index)
-            if pbc.all():
-                _check_density(len(z), cell, field, index)
+            _check_density(len(z), occupied_volume(x, cell, pbc), pbc, field, index)
             total += len(z)
             if max_atoms is not None and total > max_atoms:
                 raise InvalidStructureError(
@@ -390,19 +395,57 @@ def _validate_cell_pbc(
     return cell, pbc
 
 
-def _check_density(n_atoms: int, cell: NDArray[np.float64], field: str, index: int) -> None:
-    """Refuse a fully periodic cell denser than ``MAX_NUMBER_DENSITY`` (a usable lattice)."""
-    rows = cell.tolist()
-    volume = abs(sum(a * f for a, f in zip(rows[0], _cross3(rows[1], rows[2]), strict=True)))
+def _check_density(
+    n_atoms: int, volume: float, pbc: NDArray[np.bool_], field: str, index: int
+) -> None:
+    """Refuse a structure denser than ``MAX_NUMBER_DENSITY`` in its ``occupied_volume``."""
     density = n_atoms / volume
-    if density > MAX_NUMBER_DENSITY:
-        raise InvalidStructureError(
-            "unphysical_density",
-            f"{n_atoms} atoms in a {volume:.3g} Å³ cell is {density:.3g} atoms/Å³, above "
-            f"{MAX_NUMBER_DENSITY} (fifty times diamond's); are the cell and positions both in Å?",
-            field=f"{field}.cell",
-            index=index,
+    if density <= MAX_NUMBER_DENSITY:
+        return
+    if pbc.all():
+        where, question, name = "cell", "are the cell and positions both in Å?", "cell"
+    else:
+        where = f"region (their extent plus {OPEN_AXIS_ROOM:g} Å along each open direction)"
+        question, name = "are the positions in Å?", "positions"
+    raise InvalidStructureError(
+        "unphysical_density",
+        f"{n_atoms} atoms in a {volume:.3g} Å³ {where} is {density:.3g} atoms/Å³, above "
+        f"{MAX_NUMBER_DENSITY} (fifty times diamond's); {question}",
+        field=f"{field}.{name}",
+        index=index,
+    )
+
+
+def occupied_volume(
+    positions: NDArray[np.float64], cell: NDArray[np.float64], pbc: NDArray[np.bool_]
+) -> float:
+    """Å³ one structure fills: the volume (area, length) its periodic lattice vectors span, times
+    its atoms' extent plus ``OPEN_AXIS_ROOM`` along each direction they leave open.
+
+    positions (n, 3) Å, cell (3, 3) rows, pbc (3,); the lattice of a periodic axis is usable
+    (validated). With no periodic axis the open directions are x, y and z; otherwise they are
+    orthonormal to the periodic vectors (a slab's normal, a wire's cross-section).
+    """
+    if pbc.all():
+        rows = cell.tolist()
+        return float(
+            abs(sum(a * f for a, f in zip(rows[0], _cross3(rows[1], rows[2]), strict=True)))
         )
+    lattice = cell[pbc]
+    if len(lattice) == 0:
+        extent = positions.max(axis=0) - positions.min(axis=0)
+        return float(open_box_volumes(extent))
+    # The last 3 − k columns of a complete QR of the (3, k) lattice span its complement.
+    open_directions = np.linalg.qr(lattice.T, mode="complete")[0][:, len(lattice) :]
+    across = positions @ open_directions
+    return _gram_base(lattice) * float(open_box_volumes(across.max(axis=0) - across.min(axis=0)))
+
+
+def open_box_volumes(extent: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Room of atoms spread over ``extent`` (Å) along open directions: the product of
+    ``extent + OPEN_AXIS_ROOM`` over the last axis. (..., k) → (...)."""
+    volumes: NDArray[np.float64] = np.prod(extent + OPEN_AXIS_ROOM, axis=-1)
+    return volumes
 
 
 def _parse_cell(raw: object, field: str, index: int) -> NDArray[np.float64] | None:

@@ -12,10 +12,18 @@ import torch
 from ase.build import bulk, molecule
 
 from service.graph.errors import InvalidStructureError
-from service.graph.structures import StructureArrays, Structures, symbols_to_numbers
+from service.graph.structures import (
+    OPEN_AXIS_ROOM,
+    StructureArrays,
+    Structures,
+    occupied_volume,
+    symbols_to_numbers,
+)
 
 WATER = np.array([[0.0, 0.0, 0.0], [0.96, 0.0, 0.0], [-0.24, 0.93, 0.0]])
 CELL = np.diag([5.0, 5.0, 5.0])
+# 50 atoms in a 0.6 Å cube: a slab or a cluster given in nm (~230 atoms/Å³).
+SQUEEZED = np.random.default_rng(0).uniform(0.0, 0.6, (50, 3))
 
 
 def _item(**changes: Any) -> StructureArrays:
@@ -72,6 +80,21 @@ def _error(items: list[StructureArrays], **kwargs: Any) -> InvalidStructureError
         ({"cell": np.diag([5.0, 5.0, 1e-200])}, "singular_cell", "cell"),
         ({"cell": np.diag([1e200] * 3)}, "bad_cell", "cell"),
         ({"cell": np.diag([0.6, 0.6, 0.5])}, "unphysical_density", "cell"),  # a cell in nm
+        (
+            {
+                "numbers": [1] * 50,
+                "positions": SQUEEZED,
+                "cell": np.diag([0.6, 0.6, 10.0]),
+                "pbc": [True, True, False],
+            },
+            "unphysical_density",
+            "positions",
+        ),
+        (
+            {"numbers": [1] * 50, "positions": SQUEEZED, "cell": None},
+            "unphysical_density",
+            "positions",
+        ),
         ({"numbers": np.array([8, 1, 2**64 - 1], dtype=np.uint64)}, "unknown_element", "numbers"),
         ({"cell": [[5, 0], [0, 5]]}, "bad_cell", "cell"),
         ({"cell": None, "pbc": True}, "bad_pbc", "pbc"),
@@ -91,6 +114,41 @@ def test_invalid_input(changes: dict[str, Any], code: str, field: str) -> None:
     assert err.index == 1
     assert err.field == f"structures[1].{field}"
     assert str(err)
+
+
+def test_occupied_volume_of_each_periodicity() -> None:
+    """The lattice's volume, area or length along periodic axes, times the atoms' extent plus
+    ``OPEN_AXIS_ROOM`` along the open directions (a slab's normal, a wire's cross-section)."""
+    x = np.array([[0.0, 0.0, 0.0], [1.5, 0.2, 0.4], [0.3, 2.0, -1.0]])
+    cell = np.array([[5.0, 0.0, 0.0], [2.0, 4.0, 0.0], [0.0, 0.0, 6.0]])
+    room = OPEN_AXIS_ROOM
+    assert occupied_volume(x, cell, np.ones(3, bool)) == pytest.approx(120.0)
+    slab = occupied_volume(x, cell, np.array([True, True, False]))
+    assert slab == pytest.approx(20.0 * (1.4 + room))  # |a × b| times the thickness along z
+    wire = occupied_volume(x, cell, np.array([False, False, True]))
+    assert wire == pytest.approx(6.0 * (1.5 + room) * (2.0 + room))
+    cluster = occupied_volume(x, np.zeros((3, 3)), np.zeros(3, bool))
+    assert cluster == pytest.approx((1.5 + room) * (2.0 + room) * (1.4 + room))
+    # A slab's measure follows it when turned: it does not depend on the frame.
+    turn = np.linalg.qr(np.random.default_rng(1).normal(size=(3, 3)))[0]  # orthogonal
+    for pbc in ([True, True, False], [True, True, True]):
+        mask = np.array(pbc)
+        assert occupied_volume(x @ turn.T, cell @ turn.T, mask) == pytest.approx(
+            occupied_volume(x, cell, mask)
+        )
+
+
+def test_molecules_at_short_bonds_are_not_too_dense() -> None:
+    """A dissociation scan's shortest bonds and a lone atom stay well inside the density limit."""
+    for positions in ([[0.0, 0.0, 0.0], [0.3, 0.0, 0.0]], [[0.0, 0.0, 0.0]]):
+        structures = Structures.from_arrays(
+            [
+                StructureArrays(
+                    numbers=[1] * len(positions), positions=positions, cell=None, pbc=None
+                )
+            ]
+        )
+        assert structures.n_structures == 1
 
 
 @pytest.mark.parametrize(

@@ -47,12 +47,19 @@ def still_serving(client: httpx.Client) -> None:
     assert client.post("/evaluate", json=doc).status_code == 200
 
 
-def test_msgpack_nested_too_deep_is_400_with_a_reason(client: httpx.Client) -> None:
-    """msgpack's nesting limit raises an exception without a message: the answer must still
-    say what is wrong, not end at "not valid msgpack: "."""
-    body = post(client, b"\x91" * 200_000 + b"\xc0", "application/msgpack")
-    message = assert_error(body, 400, "malformed_body")["message"]
-    assert not message.rstrip().endswith(":") and "nest" in message
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [(b"\x91" * 200_000 + b"\xc0", "nest"), (b"\xc1", "0xc1"), (b"\x81\xa1a\xc1", "0xc1")],
+)
+def test_msgpack_errors_without_a_text_are_400_with_a_reason(
+    client: httpx.Client, body: bytes, reason: str
+) -> None:
+    """msgpack's nesting limit and its reserved type byte raise exceptions without a message:
+    the answer must still say what is wrong, not end at "not valid msgpack: "."""
+    message = assert_error(post(client, body, "application/msgpack"), 400, "malformed_body")[
+        "message"
+    ]
+    assert not message.rstrip().endswith(":") and reason in message
     still_serving(client)
 
 

@@ -33,7 +33,7 @@ from service.engine.batcher import estimate_edges
 from service.engine.profiling import PassProfiler, ProfileRequest
 from service.engine.worker import DeviceThread
 from service.graph.errors import InvalidStructureError
-from service.graph.structures import Structures
+from service.graph.structures import OPEN_AXIS_ROOM, Structures
 from service.model.errors import HostMemoryError
 from tests.service.fakes import PairPotential, element_numbers, rattled_copper, small_molecule
 
@@ -550,15 +550,30 @@ def test_edge_estimate() -> None:
     crystal, mol = rattled_copper(2), small_molecule("CH3OH")
     slab = rattled_copper(2)
     slab.pbc = (True, True, False)
-    estimate = estimate_edges(structures_of(crystal, mol, slab), rcut=4.0)
+    slab.center(vacuum=5.0, axis=2)
+    # A cluster packed far tighter than a liquid (0.58 atoms/Å³ in its box), yet physical
+    # enough to be accepted: a liquid's density would under-estimate it six times.
+    cluster = Atoms("H200", positions=np.random.default_rng(3).uniform(0.0, 6.0, (200, 3)))
+    estimate = estimate_edges(structures_of(crystal, mol, slab, cluster), rcut=4.0)
     sphere = 4 / 3 * math.pi * 4.0**3
     density = len(crystal) / crystal.get_volume()
     assert estimate[0] == pytest.approx(len(crystal) * density * sphere)
     assert estimate[1] == len(mol) * (len(mol) - 1)  # a small molecule: everyone is a neighbour
-    # Not periodic along every axis: the reference density, and no cap at n - 1.
+    # Not periodic along every axis: the density in the lattice area times the slab's thickness
+    # (+1 Å), at least the reference density, and no cap at n - 1.
+    thickness = np.ptp(slab.positions[:, 2]) + OPEN_AXIS_ROOM
+    slab_density = len(slab) / (np.linalg.norm(np.cross(*slab.cell[:2])) * thickness)
+    assert slab_density < batcher.REFERENCE_DENSITY < 1.2 * slab_density
     assert estimate[2] == pytest.approx(len(slab) * batcher.REFERENCE_DENSITY * sphere)
+    box = np.prod(np.ptp(cluster.positions, axis=0) + OPEN_AXIS_ROOM)
+    assert estimate[3] == pytest.approx(len(cluster) * len(cluster) / box * sphere)
     actual = PairPotential()._edges(structures_of(crystal), [0, len(crystal)])[0].numel()
     assert 0.7 < estimate[0] / actual < 1.3
+    # The cluster's surface atoms have fewer neighbours than its box density says: an
+    # over-estimate (safe: its pass budget is kept), where a liquid's density was 4× under.
+    actual = PairPotential()._edges(structures_of(cluster), [0, len(cluster)])[0].numel()
+    assert 1.0 < estimate[3] / actual < 2.0
+    assert len(cluster) * batcher.REFERENCE_DENSITY * sphere < 0.3 * actual
 
 
 def test_device_thread_runs_in_order_reports_back_and_survives_failures() -> None:
