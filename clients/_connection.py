@@ -199,6 +199,10 @@ class KeepAliveConnection:
                 raise
             self.close()  # the server closed the connection after answering
             return early
+        except TimeoutError:
+            # A server that stopped reading (stuck, or stopped with SIGSTOP) may have the
+            # request's first part: not sent again, like a request it does not answer.
+            raise AnswerTimeout(f"the service took no request within {self._timeout:g} s") from None
         try:
             if self._spin_lead_s > 0 and sock.fileno() < SELECT_FD_LIMIT:
                 self._await_answer(sock, time.perf_counter(), len(message))
@@ -222,7 +226,8 @@ class KeepAliveConnection:
             spin_until = sent + due + self._spin_lead_s
             while not readable and time.perf_counter() < spin_until:
                 readable = _readable(sock, 0.0)
-        if not readable and not _readable(sock, self._timeout):
+        left = self._timeout - (time.perf_counter() - sent)  # the timeout counts from sending
+        if not readable and not _readable(sock, left):
             raise TimeoutError  # not a second full timeout in the read that would follow
         took = time.perf_counter() - sent
         # Never later than the last answer: polling early only costs CPU, late costs the

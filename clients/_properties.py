@@ -52,8 +52,16 @@ class SerialCalculator(Calculator):
         assert self.atoms is not None  # set by Calculator.calculate
         # ASE has already stored the new atoms: a failed evaluation that left the last results
         # in place would hand the previous structure's energy and forces to the next question.
+        # A property these atoms cannot have (stress without a 3-D cell) changes nothing, and
+        # where the atoms are the same their results stay.
         try:
-            self.results = self.evaluate(self.atoms, properties_to_compute(self.atoms, properties))
+            wanted = properties_to_compute(self.atoms, properties)
+        except BaseException:
+            if system_changes:
+                self.reset()  # type: ignore[no-untyped-call]
+            raise
+        try:
+            self.results = self.evaluate(self.atoms, wanted)
         except BaseException:
             self.reset()  # type: ignore[no-untyped-call]
             raise

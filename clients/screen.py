@@ -482,7 +482,7 @@ class _ResultStore:
                 f"the results in {self.results_path.parent} come from model "
                 f"{_model_label(self.model)}, but this run's evaluator answers with "
                 f"{_model_label(model)}; choose another --out folder, or screen with the "
-                "model the run began with"
+                "model and precision the run began with"
             )
 
     def write_summary(self, sources: Sequence[str]) -> None:
@@ -574,14 +574,18 @@ _NO_FLOCK = frozenset((errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVA
 
 def _same_model(a: ModelIdentity, b: ModelIdentity) -> bool:
     """By content hash where both have one (a name is the file's stem: a copy staged under
-    another name is the same model); by name for models without a hash (in memory)."""
+    another name is the same model); by name for models without a hash (in memory). At the
+    same precision too: fp64 and fp16x3 answers differ from fp32 ones in their last digits."""
+    if a.get("precision") != b.get("precision"):
+        return False
     if a["sha256"] and b["sha256"]:
         return a["sha256"] == b["sha256"]
     return a["name"] == b["name"] and a["sha256"] == b["sha256"]
 
 
 def _model_label(model: ModelIdentity) -> str:
-    return f"{model['name'] or '(unnamed)'} (sha256 {model['sha256'][:12]})"
+    name = model["name"] or "(unnamed)"
+    return f"{name} (sha256 {model['sha256'][:12]}, precision {model.get('precision', '?')})"
 
 
 def _fmax(atoms: Atoms, forces: np.ndarray) -> float:
@@ -608,6 +612,8 @@ def _extxyz_frame(item: _Item, result: dict[str, Any], model: ModelIdentity) -> 
         ids["model"] = model["name"]
     if model["sha256"]:
         ids["model_hash"] = f"sha256:{model['sha256']}"
+    if model.get("precision"):
+        ids["model_precision"] = model["precision"]
     atoms = item.atoms
     bare = Atoms(atoms.numbers, atoms.positions, cell=atoms.cell, pbc=atoms.pbc)
     info, arrays = _portable_metadata(atoms)

@@ -78,3 +78,21 @@ def test_non_finite_input_gets_the_same_code_over_json_and_msgpack(
             atoms.get_potential_energy()
         codes[wire] = info.value.code
     assert codes == {"msgpack": code, "json": code}
+
+
+def test_stress_refused_on_a_slab_keeps_its_results() -> None:
+    """Asking a slab for stress raises, and the energy and forces already computed for the
+    same atoms stay: the next question is answered without a request."""
+    pair = PairPotential()
+    with running_server(create_app(ServiceSettings(), evaluator=pair)) as base:
+        slab = molecule("H2O")
+        slab.cell = [6.0, 6.0, 10.0]
+        slab.pbc = [True, True, False]
+        slab.calc = SO2Calculator(base)
+        energy = slab.get_potential_energy()
+        calls = len(pair.calls)
+        with pytest.raises(PropertyNotImplementedError):
+            slab.get_stress()
+        assert slab.get_potential_energy() == energy
+        slab.get_forces()
+        assert len(pair.calls) == calls

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from clients._connection import KeepAliveConnection, TransportError
+from clients._connection import AnswerTimeout, KeepAliveConnection, TransportError
 
 
 class RawServer:
@@ -228,3 +228,32 @@ def test_a_spinning_connection_reads_answers_due_early_late_and_on_time() -> Non
     assert server.connections == 1
     with pytest.raises(ValueError, match="spin_lead_s"):
         KeepAliveConnection(server.url, 1.0, {}, spin_lead_s=-1.0)
+
+
+def test_a_server_that_stops_reading_times_out_once() -> None:
+    """A body the server does not take (stuck, or stopped with SIGSTOP) fails with
+    ``AnswerTimeout`` after the timeout, not as a broken connection the caller would send
+    again (four full timeouts with the calculator's retries)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        http = KeepAliveConnection(url, 0.3, {})
+        start = time.perf_counter()
+        with pytest.raises(AnswerTimeout, match="took no request"):
+            http.request("POST", "/e", b"x" * (64 << 20))
+        assert time.perf_counter() - start < 2.0
+        assert not http.connected
+
+
+@pytest.mark.parametrize("spin_lead_s", [0.0, 0.002])
+def test_the_timeout_counts_from_sending_while_spinning(spin_lead_s: float) -> None:
+    """With an answer time predicted from the last request, the wait before polling was
+    added to the timeout: 0.3 s of pass before it, and a silent server was given up on after
+    timeout + 0.3 s."""
+    with raw_server([(ok(b"first"), False), (ok(b"never"), False)], [0.3, 30.0]) as server:
+        http = KeepAliveConnection(server.url, 0.5, {}, spin_lead_s=spin_lead_s)
+        assert http.request("POST", "/e", b"same size").content == b"first"
+        start = time.perf_counter()
+        with pytest.raises(AnswerTimeout, match=r"no answer within 0\.5 s"):
+            http.request("POST", "/e", b"same size")
+        assert time.perf_counter() - start < 0.7

@@ -387,9 +387,9 @@ def test_input_metadata_is_carried_where_extxyz_holds_it(tmp_path: Path) -> None
     frames = {f.info["screen_id"]: f
               for f in ase.io.read(out / RESULTS_FILE, index=":")}  # fmt: skip
     carried = frames[f"{files[1]}@0"]
-    ours = ("screen_id", "source", "frame", "model", "model_hash")
+    ours = ("screen_id", "source", "frame", "model", "model_hash", "model_precision")
     assert [carried.info[k] for k in ours] == [f"{files[1]}@0", str(files[1]), 0, "pair-test",
-                                               "sha256:" + "0" * 64]  # fmt: skip
+                                               "sha256:" + "0" * 64, "fp64"]  # fmt: skip
     info = {k: v for k, v in carried.info.items() if k not in ours}
     assert set(info) == {"input_energy", "input_free_energy", "title", "charge", "tags_list",
                          "input_source", "input_frame"}  # fmt: skip

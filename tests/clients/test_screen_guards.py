@@ -28,7 +28,7 @@ from clients.screen import (
 )
 from service.api import ServiceSettings, create_app
 from tests.clients.test_calculators import scripted
-from tests.service.fakes import PairPotential, running_server, small_molecule
+from tests.service.fakes import FakeExecution, PairPotential, running_server, small_molecule
 
 
 def _waters(path: Path, count: int) -> Path:
@@ -84,8 +84,8 @@ def test_a_run_resumed_against_another_model_stops_before_mixing_results(
     journal = [json.loads(line) for line in (out / JOURNAL_FILE).read_text().splitlines()]
     assert {e["model"]["name"] for e in journal} == {"pair-test"}
     more = _waters(tmp_path / "more.extxyz", 2)
-    with pytest.raises(ScreenAborted, match=r"model pair-test \(sha256 000000000000\).*"
-                                            r"pair-retrained \(sha256 111111111111\)"):  # fmt: skip
+    label = r"model pair-test \(sha256 000000000000, precision fp64\)"
+    with pytest.raises(ScreenAborted, match=label + r".*pair-retrained \(sha256 111111111111"):
         screen([source, more], options, evaluator=_Retrained())
     assert len((out / JOURNAL_FILE).read_text().splitlines()) == 4
     report = screen([source, more], options, evaluator=PairPotential())
@@ -186,6 +186,19 @@ def test_a_refused_folder_is_not_left_locked(tmp_path: Path) -> None:
     (out / "results.extxyz").rename(tmp_path / "moved.extxyz")
     _ResultStore(out).close()
     del refused
+
+
+def test_a_run_resumed_at_another_precision_stops_before_mixing_results(tmp_path: Path) -> None:
+    # fp64 answers differ from fp32 ones in their last digits: one folder holds one precision.
+    source = _waters(tmp_path / "in.extxyz", 2)
+    options = ScreenOptions(output_dir=tmp_path / "out", progress=False)
+    screen([source], options, evaluator=PairPotential())
+    fp32 = PairPotential(execution=FakeExecution(precision="fp32"))
+    more = _waters(tmp_path / "more.extxyz", 2)
+    with pytest.raises(ScreenAborted, match=r"precision fp64\).*precision fp32\)"):
+        screen([source, more], options, evaluator=fp32)
+    report = screen([source, more], options, evaluator=PairPotential())
+    assert (report.succeeded, report.skipped) == (2, 2)
 
 
 class _SameModelRenamed(PairPotential):
