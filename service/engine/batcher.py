@@ -85,6 +85,7 @@ from service.graph.errors import InvalidStructureError
 from service.graph.structures import (
     MAX_ATOMIC_NUMBER,
     Structures,
+    lattice_volume,
     occupied_volume,
     open_box_volumes,
 )
@@ -163,12 +164,6 @@ def _host(tensor: Tensor) -> np.ndarray:
     return array
 
 
-def _cell_volume(cell: list[list[float]]) -> float:
-    """|det| of a 3×3 cell given as rows."""
-    (ax, ay, az), (bx, by, bz), (cx, cy, cz) = cell
-    return abs(ax * (by * cz - bz * cy) + ay * (bz * cx - bx * cz) + az * (bx * cy - by * cx))
-
-
 _SCALAR_ESTIMATE_MAX = 32
 """Requests of up to this many structures are estimated in Python floats, larger ones in numpy."""
 
@@ -215,7 +210,7 @@ def estimate_edges(
         zip(atom_counts.tolist(), cells.tolist(), pbc.tolist(), strict=True)
     ):
         if all(periodic_axes):
-            rho = n / _cell_volume(cell)
+            rho = n / lattice_volume(cell)
         else:
             positions = _host(structures.positions[first : first + n])
             rho = max(n / occupied_volume(positions, cells[b], pbc[b]), REFERENCE_DENSITY)

@@ -427,10 +427,7 @@ def occupied_volume(
     orthonormal to the periodic vectors (a slab's normal, a wire's cross-section).
     """
     if pbc.all():
-        rows = cell.tolist()
-        return float(
-            abs(sum(a * f for a, f in zip(rows[0], _cross3(rows[1], rows[2]), strict=True)))
-        )
+        return lattice_volume(cell.tolist())
     lattice = cell[pbc]
     if len(lattice) == 0:
         extent = positions.max(axis=0) - positions.min(axis=0)
@@ -439,6 +436,12 @@ def occupied_volume(
     open_directions = np.linalg.qr(lattice.T, mode="complete")[0][:, len(lattice) :]
     across = positions @ open_directions
     return _gram_base(lattice) * float(open_box_volumes(across.max(axis=0) - across.min(axis=0)))
+
+
+def lattice_volume(rows: list[list[float]]) -> float:
+    """|det| of a 3 × 3 cell given as rows, on Python floats: for one cell numpy's per-call
+    overhead would cost ten times the arithmetic."""
+    return float(abs(sum(a * f for a, f in zip(rows[0], _cross3(rows[1], rows[2]), strict=True))))
 
 
 def open_box_volumes(extent: NDArray[np.float64]) -> NDArray[np.float64]:
