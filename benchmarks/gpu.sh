@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per topic: correctness tests with the `gpu` marker, then the benchmarks, with all
 # raw results (benchmarks/results/*.json, tuned tables, logs) packed into $OUT/results.tgz.
-#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|sweep-triton|sweep-triton-rest|sweep-triton-exact|triton-grid|overlay-ab|resweep-bar|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
+#   benchmarks/gpu.sh tests-kernels|tests-rest|tests-some|triton|triton-rest|triton-sets|sweep-triton|sweep-triton-rest|sweep-triton-exact|sweep-triton-rotate|triton-grid|overlay-ab|resweep-bar|alpha-grad|nonfinite|cold-start|devices|sweep-rest|sweep-exact|grid-stack-fast|sweep-rotate-a|sweep-rotate-b|sweep-rotate-narrow|f16corr|stack-gaps|bar-rotate|grid-rotate-fused|presets-fast|verify|recheck|matrix|compiled|compiled-medium|compiled-12k|grid-rotate|grid-rotate-rest|grid-stack|replay|closing|replay-memo|smallstep|kernels|kernels-grid|bar|proof|graph|step|model|service|train|md|final|switch [extra args]
 # Expects ./.gpu_data (copy of ../shared: data/, reference/) and optionally ./.whl (wheels for
 # packages the GPU image lacks: benchmarks/gpu_wheels.sh).
 set -uo pipefail
@@ -90,6 +90,13 @@ case "$topic" in
     sleep 15  # the sweep leaves the board at its power cap
     STEP_S=100 run python3 benchmarks/kernels_mixing_stack.py --cases bar --no-compile --profile \
       --only fused_exact fused_fast
+    ;;
+  sweep-triton-rotate)  # under the packed Triton: the rotate-mix table's model/bar key (C_wide 128, lmax 2, rank 1) swept into a scratch table beside the shipped one, then the rotate_mix bar under both Tritons (~6 min)
+    STEP_S=${SWEEP_KEY_S:-260} run python3 benchmarks/sweep_tiles.py --keys 128,2,2,1 \
+      --tables benchmarks/results/rotate_table_triton-3.7
+    STEP_S=90 run python3 benchmarks/kernels_rotate_mix.py --edges 1051392 --cases 128,2,1,1 --compare-variants
+    PYTHONPATH=${PYTHONPATH#"$tsite":} STEP_S=90 run python3 benchmarks/kernels_rotate_mix.py \
+      --edges 1051392 --cases 128,2,1,1 --compare-variants
     ;;
   triton-grid)  # under the packed Triton, after sweep-triton-rest: the stack grid's fused tiers, then the image's Triton's fast tier beside it, the kernel sets re-recorded and their cover checked, the fast tier's realistic-size tests (~9 min)
     STEP_S=200 run python3 benchmarks/kernels_mixing_stack.py --cases all --no-compile --only fused_exact fused_fast
