@@ -168,3 +168,28 @@ def rotate_back_rescale(
 ) -> torch.Tensor:
     """``(D,)`` inverse-rotation rescale of every packed row (1 for l ≤ 1), cached constant."""
     return device_constant(_rotate_back_rescale_values(lmax), device, dtype)
+
+
+INT32_SPAN = 2**31
+"""Offsets a kernel may form in int32: index × stride products of an operand's inner axes."""
+
+
+def inner_offset_span(t: torch.Tensor) -> int:
+    """Largest element offset inside one leading-axis slice of ``t``: Σ (size-1)·stride over
+    every axis but the first (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    inner = zip(t.shape[1:], t.stride()[1:], strict=True)
+    return sum((size - 1) * stride for size, stride in inner)
+
+
+def int32_inner_offsets(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy of it where its inner-axis offsets would overflow int32.
+
+    Kernels that read an operand through its own strides form the edge (leading-axis) offset in
+    int64 but the offsets inside an edge as int32 index × stride products, which is exact for
+    any layout whose inner span is below 2³¹ elements. An exotic layout beyond that (e.g. a
+    (E, J, C) view of a J-major buffer of more than 2³¹ elements) is copied once to the
+    contiguous layout, whose inner span is the slice's size, rather than read wrong.
+    """
+    return t.contiguous() if inner_offset_span(t) >= INT32_SPAN else t

@@ -1,7 +1,6 @@
 """``so2_attention_aggregate``: rotate back + l>1 rescale + edge weighting + dst CSR reduction.
 
-Layout contract.
-Operands (one device; the fused path needs float32 for the float operands):
+Layout contract. Operands (one device; the fused path needs float32 for the float operands):
 
 * ``x_local`` (E, F, ROW) edge-major stack output, ``ROW = (3L+1)·Cf`` m-major reduced rows
   (:mod:`so2kernels._layout`); wide channel ``c = f·Cf + cf``, ``C_wide = F·Cf``.
@@ -70,6 +69,7 @@ from so2kernels._layout import (
     channel_rows_to_edge_major,
     device_constant,
     edge_major_to_channel_rows,
+    int32_inner_offsets,
     n_coeff,
     n_reduced,
     reduced_to_packed,
@@ -565,6 +565,8 @@ def launch_aggregate_fwd(
         n_part = default_segment_parts(x_local.device, n_node, x_local.shape[0], c_blocks)
     if n_part < 1:
         raise ValueError(f"so2kernels.{_OP}: n_part must be >= 1, got {n_part}")
+    # Read through their strides, with int32 offsets inside an edge.
+    wigner, weights = int32_inner_offsets(wigner), int32_inner_offsets(weights)
     out = x_local.new_empty((n_part, n_node, n_coeff(lmax), c_wide))
     scale = rotate_back_rescale(lmax, x_local.device, torch.float32)
     grid = (n_node, c_blocks, n_part)
@@ -602,6 +604,7 @@ def launch_aggregate_bwd(
         return grad_x, grad_wigner, grad_weights.zero_()
     lanes = triton.next_power_of_2(c_wide)
     block_e, num_warps, col_stages = tiles or _bwd_tiles(x_local.device, lanes)
+    wigner, weights = int32_inner_offsets(wigner), int32_inner_offsets(weights)
     scale = rotate_back_rescale(lmax, x_local.device, torch.float32)
     dst = segment_of_position(dst_rowptr, n_edge)
     n_blocks = triton.cdiv(n_edge, block_e)

@@ -281,8 +281,8 @@ def _check_act_operands(op: str, z: Tensor, gw: Tensor, gwt: Tensor, dims: _Dims
 @torch.library.triton_op("so2kernels::gated_act", mutates_args=())
 def _act_op(z: FocusRows, gw: GateWeights, gwt: Tensor, lmax: int, focus_dim: int) -> FocusRows:
     _check_act_operands("gated_act", z, gw, gwt, _Dims(lmax, focus_dim))
-    if not use_triton(z, gw, gwt):
-        return gated_act_reference(z, gw, gwt, lmax, focus_dim)
+    if not use_triton(z, gw, gwt):  # contiguous, as the fake promises
+        return gated_act_reference(z, gw, gwt, lmax, focus_dim).contiguous()
     check_regime("gated_act", lmax, focus_dim)
     require_fp32("gated_act", z=z, gw=gw)
     with launch_device(z):

@@ -261,8 +261,11 @@ def _mixing_stack_op(
             return _mixing_stack_fused(dense, lmax, focus_dim, apply_alpha, tier)
     tier.require_triton(name, u0.device)
     x_local, z_all, u_final = mixing_stack_reference(*tensors, lmax, focus_dim, apply_alpha)
-    # Outputs may not alias inputs: a one-layer stack hands u0 itself back as u_final.
-    return x_local, z_all.contiguous(), (u_final.clone() if u_final is u0 else u_final)
+    # Contiguous, as the fake promises; and outputs may not alias inputs (a one-layer stack
+    # hands u0 itself back as u_final).
+    owned = u_final.clone(memory_format=torch.contiguous_format) if u_final is u0 else None
+    u_final = u_final.contiguous() if owned is None else owned
+    return x_local.contiguous(), z_all.contiguous(), u_final
 
 
 @_mixing_stack_op.register_fake  # type: ignore[untyped-decorator]

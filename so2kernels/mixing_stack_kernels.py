@@ -234,16 +234,16 @@ def split_fp16x3(w: Tensor) -> tuple[Tensor, Tensor]:
 
 # Weight operands, cached per weight tensor.
 #
-# Stack weights are frozen between inference steps, yet every step would otherwise rebuild their
-# kernel operands (the fp16x3 planes: five launches per weight; the backward's transposed
-# copies: one each): tens of launches in a launch-bound small step. The cache is keyed on the
-# weight tensor's identity through a weak reference, so an entry dies with its tensor (no dead
-# weights kept alive, and a later tensor at a recycled address can never match), and each entry
-# is stamped with the tensor's version counter and storage metadata, so an in-place update
-# (optimiser step, load_state_dict) or a ``.data`` swap rebuilds it on the next call. Under
-# CUDA-graph capture a hit is read by address like any weight (the capturer re-records when
-# weights change); a miss is built inside the graph and not stored, so no cached tensor lives
-# in a graph's private pool.
+# Frozen inference weights would otherwise rebuild their kernel operands every step (fp16x3
+# planes: five launches per weight; transposed copies: one each): tens of launches in a small
+# step. Keyed weakly on the tensor's identity (an entry dies with its tensor; a later tensor at
+# a recycled address never matches) and stamped with its version counter and storage metadata,
+# so an in-place update (optimiser step, load_state_dict) or a ``.data`` swap rebuilds it.
+# Weights that require grad are never cached: an in-place write through ``.data`` (EMA swaps,
+# hand-written updates) bumps no version counter and would serve stale planes. Under CUDA-graph
+# capture a hit is read by address like any weight (the capturer re-records when weights
+# change); a miss is built inside the graph and not stored, so no cached tensor lives in a
+# graph's private pool. Cached operands never share storage with their weight (no key cycle).
 
 _Stamp = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 _OperandKey = tuple[StackPrecision, bool]  # (tier, transposed)
@@ -257,10 +257,10 @@ def _stamp(w: Tensor) -> _Stamp:
 
 
 def _cacheable(w: Tensor) -> bool:
-    """Plain eager tensors (or parameters) only: compile-time fakes and functional wrappers have
-    no stable identity, and inference tensors have no version counter to invalidate on."""
+    """Plain frozen eager tensors only: trainable weights may change unseen (above), fakes and
+    functional wrappers have no identity, inference tensors no version counter to check."""
     plain = type(w) is Tensor or type(w) is torch.nn.Parameter
-    return plain and not w.is_inference() and not torch.compiler.is_compiling()
+    return plain and not (w.requires_grad or w.is_inference() or torch.compiler.is_compiling())
 
 
 def _capturing(device: torch.device) -> bool:
@@ -270,10 +270,12 @@ def _capturing(device: torch.device) -> bool:
 def _build_operands(
     w: Tensor, precision: StackPrecision, transposed: bool
 ) -> tuple[Tensor, Tensor]:
-    dense = (w.transpose(-2, -1) if transposed else w).contiguous()
-    if precision is StackPrecision.FAST:
-        return split_fp16x3(dense)
-    return dense, dense
+    dense = (w.transpose(-2, -1) if transposed else w).clone(memory_format=torch.contiguous_format)
+    if precision is not StackPrecision.FAST:
+        return dense, dense
+    if not (_capturing(w.device) or torch.compiler.is_compiling()):  # a host read
+        _check_head_range(w)
+    return split_fp16x3(dense)
 
 
 def weight_operands(
@@ -300,8 +302,6 @@ def weight_operands(
     # autograd: the planes are kernel operands only, never part of a graph.
     with torch.inference_mode(False), torch.no_grad():
         operands = _build_operands(w, precision, transposed)
-    if precision is StackPrecision.FAST:
-        _check_head_range(w)
     entries[key] = (stamp, operands)
     return operands
 
@@ -312,7 +312,7 @@ _FP16_MAX = 65504.0
 
 def _check_head_range(w: Tensor) -> None:
     """Refuse fast-tier weights whose fp16 head would overflow (or that are not finite): their
-    products would be NaN, not an fp32-accurate result. One host read per cached build."""
+    products would be NaN, not an fp32-accurate result. One host read per build outside capture."""
     peak = float(w.detach().abs().max()) if w.numel() else 0.0
     if not peak < _FP16_MAX:
         raise UnsupportedInputError(

@@ -4,8 +4,7 @@ Layout contract.
 Operands (one device; the fused path needs float32 for ``a``, ``b`` and the incoming gradient):
 
 * ``a`` (E, K) per-edge coefficients, any strides;
-* ``b`` (E, J, C) per-edge channel rows, any strides (a broadcast view such as
-  ``filt[:, None, :]`` is read in place);
+* ``b`` (E, J, C) per-edge channel rows, any strides (``filt[:, None, :]`` is read in place);
 * ``row_map`` (K,) int64: coefficient ``k`` multiplies row ``row_map[k]`` of ``b``; every entry
   must lie in ``0..J-1`` (not checked: that needs a device sync; it is typically a cached device
   constant, :func:`so2kernels._layout.device_constant`). The kernels mask out-of-range entries
@@ -33,11 +32,11 @@ reads the same node gradient ``g[n]`` (K, C): one program per (node, segment par
 L1 and streams its edges BLOCK_E at a time, as (BLOCK_E, channels) tiles per row j of ``b``:
 ``grad_b[e, j] = Σ_{k→j} a[e, k]·g[n, k]`` and ``grad_a[e, k] = Σ_c g[n, k, c]·b[e, j, c]`` for
 each k mapped to j. So ``b`` is read once per row (not once per coefficient), ``grad_a`` and
-``grad_b`` are written once, and no per-edge gather of node rows exists (the previous
-edge-parallel kernel gathered (K, C) per edge: K× the traffic of ``b`` itself, in ~130-register
-programs). Small systems cut segments into parts like the aggregate forward
-(:func:`so2kernels.aggregate.segment_parts`); each edge is still written by exactly one program.
-Nothing is read back to the host (CUDA-graph safe). Offsets that scale with E or N are int64.
+``grad_b`` are written once, and no per-edge gather of node rows exists. Small systems cut
+segments into parts like the aggregate forward (:func:`so2kernels.aggregate.segment_parts`);
+each edge is still written by exactly one program. Nothing is read back to the host (CUDA-graph
+safe). Offsets that scale with E or N are int64; those inside an edge are int32, so an operand
+whose inner span reaches 2³¹ elements is copied to the contiguous layout first.
 
 Second order (training): under ``create_graph`` the backward is composed from differentiable
 torch ops (:func:`segment_outer_sum_backward_reference`); the Triton backward serves forces.
@@ -56,6 +55,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from so2kernels._dispatch import launch_device, require_fp32, use_triton
+from so2kernels._layout import int32_inner_offsets
 from so2kernels.aggregate import default_segment_parts, segment_part_range
 from so2kernels.segment import segment_of_position
 
@@ -309,6 +309,7 @@ def launch_outer_sum_fwd(
     out = a.new_empty((n_node, n_coeff, n_chan))
     if out.numel() == 0:
         return out
+    a, b = int32_inner_offsets(a), int32_inner_offsets(b)
     block_e, block_c, num_warps = tiles or default_tiles(a.device, n_coeff, n_chan)
     grid = (n_node, triton.cdiv(n_chan, block_c))
     # The index tensors are read with unit stride (an edge-table column is a strided view).
@@ -344,6 +345,7 @@ def launch_outer_sum_bwd(
         n_part = default_segment_parts(a.device, n_node, n_edge, 1)
     if n_part < 1:
         raise ValueError(f"so2kernels.{_OP}_bwd: n_part must be >= 1, got {n_part}")
+    a, b = int32_inner_offsets(a), int32_inner_offsets(b)
     wrap_triton(_outer_sum_bwd_kernel)[(n_node, n_part)](
         grad_out, a, b, row_map.contiguous(), dst_rowptr.contiguous(), grad_a, grad_b,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), n_rows, n_chan,

@@ -629,8 +629,9 @@ def _rotate_mix_bwd_op(
     floats = (wigner, kc, placed_basis(cb, x, rank))
     shape = (lmax, n_focus, rank)
     _validate_bwd(grad_u, x, graph, floats, shape)
-    if not use_triton(grad_u, x, *graph, *floats):
-        return rotate_mix_backward_reference(grad_u, x, *graph, *floats, *shape, want_cb=want_cb)
+    if not use_triton(grad_u, x, *graph, *floats):  # contiguous, as the fake promises
+        grads = rotate_mix_backward_reference(grad_u, x, *graph, *floats, *shape, want_cb=want_cb)
+        return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
     check_fused_regime(x, *floats, shape)
     require_fp32("so2_rotate_mix_bwd", grad_u=grad_u)
     tiles = rotate_mix_tiles("bwd", x.shape[2], lmax, rank, x.device)
@@ -647,7 +648,8 @@ def _rotate_mix_bwd_fake(grad_u: Tensor, *operands: Any) -> RotateMixGrads:
     rank = shape[2]
     cb_shape = (rank, feats.shape[2]) if want_cb and rank > 0 else (0,)
     outs = (feats.new_empty(feats.shape), rot.new_empty(rot.shape))
-    return (*outs, kern.new_empty(kern.shape), basis.new_empty(cb_shape))
+    cb_like = placed_basis(basis, feats, rank)  # rank 0: beside x, wherever cb was kept
+    return (*outs, kern.new_empty(kern.shape), cb_like.new_empty(cb_shape))
 
 
 # Saved for both autograd formulas: the operand tensors in ctx.saved_tensors, the trailing

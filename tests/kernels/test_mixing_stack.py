@@ -381,6 +381,10 @@ def test_fast_tier_refuses_weights_beyond_the_fp16_range() -> None:
     nan_gw[0, 0, 0, 0] = math.nan
     with pytest.raises(UnsupportedInputError, match="finite weights"):
         so2_mixing_stack(*ops[:4], nan_gw, 1, 32, True, "fp16x3")
+    trainable = huge_w0.requires_grad_()  # never cached: checked at every build
+    for _ in range(2):
+        with pytest.raises(UnsupportedInputError, match="65504"):
+            so2_mixing_stack(ops[0], ops[1], trainable, *ops[3:], 1, 32, True, "fp16x3")
 
 
 def test_fast_tier_refuses_a_differentiable_backward() -> None:
@@ -470,6 +474,39 @@ def test_weight_operand_cache_lets_dead_weights_go() -> None:
     weight_operands(w, StackPrecision.FAST)
     assert len(mixing_stack_kernels._operand_cache) == before + 1
     del w
+    gc.collect()
+    assert len(mixing_stack_kernels._operand_cache) == before
+
+
+def test_trainable_weights_are_never_cached() -> None:
+    """A write through ``.data`` bumps no version counter: a weight that requires grad (where
+    EMA swaps and hand-written updates do that) is split afresh at every call."""
+    w = torch.randn(3, 2, 32, 48, requires_grad=True)
+    before = len(mixing_stack_kernels._operand_cache)
+    first = weight_operands(w, StackPrecision.FAST)
+    w.data.mul_(-2.0)
+    for got, want in zip(
+        weight_operands(w, StackPrecision.FAST), split_fp16x3(w.detach()), strict=True
+    ):
+        assert torch.equal(got, want)
+    assert not torch.equal(first[0], split_fp16x3(w.detach())[0])
+    exact_t = weight_operands(w, StackPrecision.EXACT, transposed=True)
+    assert torch.equal(exact_t[0], w.detach().mT)
+    assert len(mixing_stack_kernels._operand_cache) == before
+
+
+def test_a_cached_transpose_never_keeps_its_weight_alive() -> None:
+    """A weight stored transposed (not a view) has a contiguous transpose that is a view of it;
+    the cache stores a copy, so the entry still dies with the weight."""
+    import gc
+
+    w = torch.randn(3, 2, 48, 32).mT.clone()  # transposed strides, its own storage
+    assert w._base is None and w.mT.is_contiguous()
+    before = len(mixing_stack_kernels._operand_cache)
+    head, _ = weight_operands(w, StackPrecision.EXACT, transposed=True)
+    assert torch.equal(head, w.mT) and head.untyped_storage().data_ptr() != w.data_ptr()
+    assert len(mixing_stack_kernels._operand_cache) == before + 1
+    del w, head
     gc.collect()
     assert len(mixing_stack_kernels._operand_cache) == before
 

@@ -9,6 +9,7 @@ from test_aggregate import node_subgraph
 from test_gated_act import assert_normwise_close
 
 from so2kernels._dispatch import UnsupportedInputError, use_triton
+from so2kernels._layout import INT32_SPAN, inner_offset_span, int32_inner_offsets
 from so2kernels.outer_sum import (
     OuterSumTiles,
     default_bwd_tiles,
@@ -386,3 +387,34 @@ def test_gpu_has_no_host_sync() -> None:
         torch.autograd.grad(out, leaves, grad_out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_inner_offsets_past_int32_are_copied_first() -> None:
+    """The kernels form offsets inside an edge in int32: a layout whose inner span reaches 2³¹
+    elements is handed over contiguous, any other as it is (decided on shapes and strides
+    only; meta tensors hold no memory)."""
+    huge = torch.empty(3, 9_000_000, 128, device="meta").permute(1, 0, 2)  # J-major (E, J, C)
+    assert inner_offset_span(huge) >= INT32_SPAN
+    assert int32_inner_offsets(huge).is_contiguous()
+    small = torch.empty(3, 10_000, 128, device="meta").permute(1, 0, 2)
+    assert int32_inner_offsets(small) is small
+    assert inner_offset_span(torch.empty(0, 3, device="meta")) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_j_major_rows_past_int32() -> None:
+    """``b`` as a (E, J, C) view of a J-major buffer with j·E·C past 2³¹ (E 9M, 13.8 GB): the
+    backward's ``grad_a`` of the last row must match (it wrapped around before the layout was
+    copied)."""
+    n_edge, per_node, n_rows, n_chan = 9_000_000, 100, 3, 128
+    b = torch.randn(n_rows, n_edge, n_chan, device="cuda").permute(1, 0, 2)
+    a = torch.randn(n_edge, n_rows, device="cuda")
+    row_map = torch.arange(n_rows, device="cuda")
+    rowptr = torch.arange(0, n_edge + 1, per_node, device="cuda")
+    grad_out = torch.randn(n_edge // per_node, n_rows, n_chan, device="cuda")
+    grad_a, _ = torch.ops.so2kernels.segment_outer_sum_bwd(grad_out, a, b, row_map, rowptr)
+    tail = slice(n_edge - 2000, n_edge)
+    dst = torch.arange(n_edge - 2000, n_edge, device="cuda") // per_node
+    want = (grad_out[dst].double() * b[tail].double()).sum(2)
+    assert_normwise_close(grad_a[tail], want, 1e-6)

@@ -643,6 +643,21 @@ def test_backward_kernels_compile_for_sm90() -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_rank0_basis_placeholder_on_the_host() -> None:
+    """Rank 0 never reads ``cb``: a placeholder left on the host is accepted, and the fake puts
+    its (empty) gradient beside ``x``, as the op does."""
+    ops = make_operands(Case(2, 2, 32, 0, n_node=3, n_edge=5), device="cuda")
+    args = (*ops.args()[:6], ops.cb.cpu(), *ops.args()[7:])
+    grad_u = torch.randn(2, 5, 7 * 32, device="cuda")
+    grads = torch.ops.so2kernels.so2_rotate_mix_bwd(grad_u, *args, True)
+    assert grads[3].device == ops.x.device
+    torch.library.opcheck(
+        torch.ops.so2kernels.so2_rotate_mix_bwd.default, (grad_u, *args, True),
+        test_utils=("test_faketensor",),
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "case",
     [Case(2, 1, 128, 1, n_node=4000, n_edge=200_000), Case(3, 2, 64, 2, n_node=4000,
