@@ -15,6 +15,7 @@ The ops run Triton on CUDA (and on CPU under ``TRITON_INTERPRET=1``) and their r
 elsewhere; see :mod:`so2kernels._dispatch`.
 """
 
+from so2kernels.aggregate import attention_aggregate, attention_aggregate_reference
 from so2kernels.gated_act import gated_act, gated_act_reference
 from so2kernels.mixing_stack import mixing_stack_reference, so2_mixing_stack
 from so2kernels.mixing_stack_fast import measure_stack_error
@@ -30,6 +31,8 @@ from so2kernels.segment import (
 
 __all__ = [
     "StackPrecision",
+    "attention_aggregate",
+    "attention_aggregate_reference",
     "gated_act",
     "gated_act_reference",
     "measure_stack_error",

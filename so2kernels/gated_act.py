@@ -284,7 +284,7 @@ def _act_op(z: FocusRows, gw: GateWeights, gwt: Tensor, lmax: int, focus_dim: in
     if not use_triton(z, gw, gwt):  # contiguous, as the fake promises
         return gated_act_reference(z, gw, gwt, lmax, focus_dim).contiguous()
     check_regime("gated_act", lmax, focus_dim)
-    require_fp32("gated_act", z=z, gw=gw)
+    require_fp32("gated_act", z=z, gw=gw, gwt=gwt)  # gwt: read by the backward
     with launch_device(z):
         return _launch_fwd(z.contiguous(), gw.contiguous(), _Dims(lmax, focus_dim))
 

@@ -185,11 +185,21 @@ def test_bad_part_count() -> None:
         launch_aggregate_fwd(*ops, 2, n_part=0)
 
 
-def test_second_order_through_op() -> None:
+@pytest.mark.parametrize(
+    ("lmax", "n_focus", "n_groups", "counts", "wigner_dim"),
+    [(2, 1, 1, [3, 4], None), (3, 2, 4, [0, 5, 2], 20), (5, 1, 2, [1], None), (1, 1, 1, [], None)],
+)
+def test_second_order_through_op(
+    poisoned_alloc: None,
+    lmax: int,
+    n_focus: int,
+    n_groups: int,
+    counts: list[int],
+    wigner_dim: int | None,
+) -> None:
     """Under ``create_graph`` the op's backward is differentiable (training's force loss)."""
-    lmax = 2
-    ops = make_operands(lmax, 32, 1, 1, [3, 4], None, seed=3)
-    grad_out = torch.randn(2, 9, 32, dtype=torch.float64)
+    ops = make_operands(lmax, 32, n_focus, n_groups, counts, wigner_dim, seed=3)
+    grad_out = torch.randn(len(counts), (lmax + 1) ** 2, 32 * n_focus, dtype=torch.float64)
     results = []
     for fn, dtype in (
         (attention_aggregate, torch.float32),

@@ -126,6 +126,9 @@ def test_bad_inputs() -> None:
     z, gw, gwt = _operands(2, 32, 1, 3)
     with pytest.raises(UnsupportedInputError, match="float32"):
         gated_act(z.double(), gw.double(), gwt.double(), 2, 32)
+    if use_triton(z):  # refused up front, not at the backward that reads it
+        with pytest.raises(UnsupportedInputError, match="'gwt'"):
+            gated_act(z, gw, gwt.double(), 2, 32)
     with pytest.raises(ValueError, match="gw must be"):
         gated_act(z, gw[:, :16], gwt, 2, 32)
     with pytest.raises(ValueError, match="gwt must be"):

@@ -139,14 +139,16 @@ def test_force_path_gradients(
 
 @pytest.mark.parametrize(
     ("lmax", "focus_dim", "n_focus", "n_layers", "apply_alpha"),
-    [(2, 32, 2, 3, True), (1, 96, 1, 2, False)],
-)
+    [(2, 32, 2, 3, True), (1, 96, 1, 2, False), (3, 64, 1, 1, True), (4, 128, 1, 2, True),
+     (6, 32, 1, 2, False)],
+)  # fmt: skip
 def test_second_order_force_loss(
-    lmax: int, focus_dim: int, n_focus: int, n_layers: int, apply_alpha: bool
+    poisoned_alloc: None, lmax: int, focus_dim: int, n_focus: int, n_layers: int, apply_alpha: bool
 ) -> None:
-    """Loss on the input gradient (as a force loss is), differentiated to every operand."""
+    """Loss on the input gradients (u0's, as a force loss is, and alpha's), differentiated to
+    every operand."""
     ops = make_operands(lmax, focus_dim, n_focus, 5, n_layers, seed=5)
-    mask = ALL_GRADS if apply_alpha else (True, False, True, True, True)
+    mask = (True, apply_alpha, True, True, n_layers > 1)  # one layer has no gate weights
     got, want = _force_loss_second_order(ops, mask, lmax, focus_dim, apply_alpha)
     for g, w in zip(got, want, strict=True):
         assert_normwise_close(g, w, 3e-6)
@@ -155,11 +157,12 @@ def test_second_order_force_loss(
 def _force_loss_second_order(
     ops: Operands, mask: tuple[bool, ...], lmax: int, focus_dim: int, apply_alpha: bool
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Gradients of ``<∂(x_local·c)/∂u0, p>`` with respect to the operands in ``mask``: the
-    fused op in fp32 and the reference in float64, for random cotangent ``c`` and probe ``p``."""
+    """Gradients of ``<∂(x_local·c)/∂u0, p> + <∂(x_local·c)/∂alpha, q>`` (the alpha term where
+    ``mask`` has alpha) with respect to the operands in ``mask``: the fused op in fp32 and the
+    reference in float64, for random cotangent ``c`` and probes ``p``, ``q``."""
     n_focus, n_edge, row = ops[0].shape
     grad_out = torch.randn(n_edge, n_focus, row, device=ops[0].device)
-    probe = torch.randn_like(ops[0])
+    probes = (torch.randn_like(ops[0]), torch.randn_like(ops[1]))
 
     def second(inputs: Operands, fused: bool) -> tuple[torch.Tensor, ...]:
         if fused:
@@ -167,9 +170,11 @@ def _force_loss_second_order(
         else:
             x_local = mixing_stack_reference(*inputs, lmax, focus_dim, apply_alpha)[0]
         dtype = x_local.dtype
-        (grad_u0,) = torch.autograd.grad(x_local, inputs[0], grad_out.to(dtype), create_graph=True)
+        probed = inputs[: 2 if mask[1] else 1]
+        grads = torch.autograd.grad(x_local, probed, grad_out.to(dtype), create_graph=True)
+        loss = sum((g * p.to(dtype)).sum() for g, p in zip(grads, probes, strict=False))
         wrt = [t for t in inputs if t.requires_grad]
-        return torch.autograd.grad((grad_u0 * probe.to(dtype)).sum(), wrt)
+        return torch.autograd.grad(loss, wrt)
 
     return second(_float(ops, mask), True), second(_double(ops, mask), False)
 

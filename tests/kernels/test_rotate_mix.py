@@ -238,9 +238,13 @@ def _assert_second_order_matches(case: Case) -> tuple[Operands, tuple[int, int, 
 
 @fused_only
 @pytest.mark.parametrize(
-    "case", [Case(1, 2, 32, 0), Case(2, 1, 32, 1, extra_dw=3), Case(2, 2, 32, 2)], ids=str
-)
-def test_second_order_matches_reference(case: Case) -> None:
+    "case",
+    [Case(1, 2, 32, 0), Case(2, 1, 32, 1, extra_dw=3), Case(2, 2, 32, 2),
+     Case(3, 3, 64, 3, extra_dw=2), Case(4, 1, 96, 4, n_node=2, n_edge=1),
+     Case(5, 1, 128, 0, n_node=3, n_edge=4), Case(2, 1, 32, 1, n_node=3, n_edge=0)],
+    ids=str,
+)  # fmt: skip
+def test_second_order_matches_reference(poisoned_alloc: None, case: Case) -> None:
     _assert_second_order_matches(case)
 
 
