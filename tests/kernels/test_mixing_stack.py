@@ -179,7 +179,7 @@ def _force_loss_second_order(
     return second(_float(ops, mask), True), second(_double(ops, mask), False)
 
 
-@pytest.mark.parametrize(("lmax", "focus_dim", "n_focus"), [(2, 32, 2), (3, 96, 1)])
+@pytest.mark.parametrize(("lmax", "focus_dim", "n_focus"), [(2, 32, 2), (3, 96, 1), (5, 128, 1)])
 def test_fast_tier_against_float64(
     poisoned_alloc: None,
     lmax: int,

@@ -480,8 +480,18 @@ CSR_CASES = [
 ]
 
 
-SCHEDULE_CASES = [(EDGE_TILES, case) for case in EDGE_CASES] + [
-    (LaunchTiles(1, 1, "csr", chunk=2), case) for case in CSR_CASES
+# The node schedule where the H200 table picks it (C_wide 128, lmax 3, rank 1; 4 edges per step
+# as there) and at the regime's high end (lmax 5-6, ranks 3-4, Cf 96/128).
+NODE_CASES = [
+    (LaunchTiles(4, 8, "node"), Case(3, 1, 128, 1, n_edge=11)),
+    (LaunchTiles(1, 4, "node"), Case(5, 2, 96, 3, n_edge=7, n_node=3)),
+    (LaunchTiles(2, 4, "node"), Case(6, 1, 32, 4, n_edge=5, n_node=4, extra_dw=2)),
+]
+
+SCHEDULE_CASES = [
+    *((EDGE_TILES, case) for case in [*EDGE_CASES, Case(4, 1, 128, 4, n_edge=6, n_node=3)]),
+    *((LaunchTiles(1, 1, "csr", chunk=2), case) for case in CSR_CASES),
+    *NODE_CASES,
 ]
 
 
