@@ -263,9 +263,9 @@ def _mixing_stack_op(
     x_local, z_all, u_final = mixing_stack_reference(*tensors, lmax, focus_dim, apply_alpha)
     # Contiguous, as the fake promises; and outputs may not alias inputs (a one-layer stack
     # hands u0 itself back as u_final).
-    owned = u_final.clone(memory_format=torch.contiguous_format) if u_final is u0 else None
-    u_final = u_final.contiguous() if owned is None else owned
-    return x_local.contiguous(), z_all.contiguous(), u_final
+    if u_final is u0:
+        u_final = u0.clone(memory_format=torch.contiguous_format)
+    return x_local.contiguous(), z_all.contiguous(), u_final.contiguous()
 
 
 @_mixing_stack_op.register_fake  # type: ignore[untyped-decorator]

@@ -4,7 +4,7 @@ for permuted operands, whose reference results may come out non-contiguous."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -39,10 +39,9 @@ ops = torch.ops.so2kernels
 
 
 @pytest.fixture(autouse=True)
-def _reference_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_dispatch, "INTERPRET", False)
     assert not _dispatch.use_triton(torch.empty(1))
-    yield
 
 
 def permuted(t: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ device, dtype)`` of the tensors they are built from and on those tensors themsel
 new parameter may land at a freed one's address with the same version), so an optimiser step,
 ``load_state_dict`` (also with ``assign=True``) or a device move rebuilds them on the next
 call; a write through ``.data`` moves no version counter and is not seen (write in place:
-``copy_``). ``live=True`` (training, ``create_graph``) builds them under autograd instead, so weight
-gradients flow through the derivation.
+``copy_``). ``live=True`` (training, ``create_graph``) builds them under autograd instead, so
+weight gradients flow through the derivation.
 """
 
 from __future__ import annotations
